@@ -1,0 +1,9 @@
+"""Fake (meta) kernels of the ``glm53`` ops: output shapes, dtypes and strides, no data.
+
+One module per op family, named like the op's module in ``inductor_ext/ops``. Importing this
+package registers every fake; ``inductor_ext.ops`` does so after defining the ops.
+"""
+
+from fake_impls import kda  # noqa: F401
+
+__all__ = ["kda"]

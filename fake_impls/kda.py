@@ -1,0 +1,49 @@
+"""Fakes of ``glm53::kda_chunk``, ``glm53::kda_chunk_bwd`` and ``glm53::kda_recurrent``.
+
+Residual dtypes follow the precision: BF16 for qn, kn, Aqk, Akk under ``"bf16"``, FP32 under
+``"fp32"``; rstd and g_cumsum are FP32 in both; o takes v's dtype, the final state FP32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inductor_ext.ops.kda import CHUNK
+
+__all__ = ["kda_chunk_fake", "kda_chunk_bwd_fake", "kda_recurrent_fake"]
+
+
+def _num_states(q, cu_seqlens):
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _final_state(q, v, cu_seqlens):
+    return q.new_empty(_num_states(q, cu_seqlens), q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+
+
+@torch.library.register_fake("glm53::kda_chunk")
+def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+    store = torch.float32 if precision == "fp32" else torch.bfloat16
+    B, T, H, K = q.shape
+    return (
+        v.new_empty(v.shape),
+        _final_state(q, v, cu_seqlens),
+        q.new_empty(q.shape, dtype=store),
+        q.new_empty(q.shape, dtype=store),
+        q.new_empty(B, T, H, dtype=torch.float32),
+        q.new_empty(B, T, H, dtype=torch.float32),
+        g.new_empty(g.shape, dtype=torch.float32),
+        q.new_empty(B, T, H, CHUNK, dtype=store),
+        q.new_empty(B, T, H, CHUNK, dtype=store),
+    )
+
+
+@torch.library.register_fake("glm53::kda_chunk_bwd")
+def kda_chunk_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
+                       qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk, do, dht):
+    return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), _final_state(q, v, cu_seqlens))
+
+
+@torch.library.register_fake("glm53::kda_recurrent")
+def kda_recurrent_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    return v.new_empty(v.shape), _final_state(q, v, cu_seqlens)

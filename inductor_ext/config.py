@@ -1,0 +1,182 @@
+"""Compile-time precision configuration.
+
+A :class:`PrecisionConfig` says, per GLM-5.3 precision path, whether training keeps the
+transformers ``glm5_next`` numerics (``reference()``) or the serving engine's
+(``serving_aligned()``). It is read while Dynamo traces and becomes a literal in the graph
+(an op's ``precision`` string argument), so a config change recompiles and the same config
+never does. Nothing here is read inside a forward: :meth:`PrecisionConfig.from_env` reads the
+environment once, when the user calls it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+
+__all__ = ["PrecisionConfig", "precision", "active_config"]
+
+# field -> allowed values (the first one is the transformers reference semantics)
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "kda": ("bf16", "fp32"),
+    "kpool": ("bf16", "fp8"),
+    "kpool_pooling": ("reference", "fp32"),
+    "head_proj": ("model", "fp32"),
+    "mhc_post": ("bf16", "fp32"),
+    "swiglu": ("native", "serving"),
+    "moe_act": ("none", "fp8_ue8m0", "fp8_fp32scale"),
+    "mqa_layout": ("compact", "legacy"),
+}
+
+# the seed training stack's start-up variables, read by from_env() only
+_ENV_FLAGS = (
+    "XTUNER_GLM53_KDA_FP32",
+    "XTUNER_GLM53_KPOOL_BF16",
+    "XTUNER_GLM53_LMDEPLOY_SWIGLU",
+    "FP8",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    """Which numerics each GLM-5.3 precision path uses; frozen, hashable, validated.
+
+    Fields (first value = transformers ``glm5_next`` reference semantics):
+
+    - ``kda``: ``"bf16"`` | ``"fp32"`` — KDA chunk intermediates (normalized q/k, chunk solve,
+      WY factors, states, backward recomputation).
+    - ``kpool``: ``"bf16"`` | ``"fp8"`` — indexer pool storage and scoring precision.
+    - ``kpool_pooling``: ``"reference"`` | ``"fp32"`` — BF16 pools: round probabilities and
+      products to BF16, or keep them FP32 until the store.
+    - ``head_proj``: ``"model"`` | ``"fp32"`` — indexer head-gate projection and key LayerNorm
+      in FP32 (autocast-safe).
+    - ``mhc_post``: ``"bf16"`` | ``"fp32"`` — mHC stream expansion in FP32, rounded once.
+    - ``swiglu``: ``"native"`` | ``"serving"`` — serving = FP32 ``g/(1+exp(-g))*u``, one rounding.
+    - ``moe_act``: ``"none"`` | ``"fp8_ue8m0"`` | ``"fp8_fp32scale"`` — quantize-dequantize of MoE
+      expert inputs and post-SwiGLU activations per 128 group.
+    - ``mqa_layout``: ``"compact"`` | ``"legacy"`` — MQA scorer logits layout (sizes the workspace).
+    - ``logits_budget_mb``: positive int — bound on the scorer's logits storage in MiB.
+    - ``kpool_size``: positive int — tokens per indexer pool (4 in GLM-5.3).
+
+    Bad values raise ``ValueError`` naming the field and the allowed values.
+    """
+
+    kda: str = "bf16"
+    kpool: str = "bf16"
+    kpool_pooling: str = "reference"
+    head_proj: str = "model"
+    mhc_post: str = "bf16"
+    swiglu: str = "native"
+    moe_act: str = "none"
+    mqa_layout: str = "compact"
+    logits_budget_mb: int = 256
+    kpool_size: int = 4
+
+    def __post_init__(self) -> None:
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"PrecisionConfig.{name} must be one of {allowed}, got {value!r}")
+        for name in ("logits_budget_mb", "kpool_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"PrecisionConfig.{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def reference(cls) -> PrecisionConfig:
+        """transformers ``glm5_next`` semantics: every path BF16 / model dtype."""
+        return cls()
+
+    @classmethod
+    def serving_aligned(cls) -> PrecisionConfig:
+        """Every path aligned to the serving engine (FP8 indexer, FP32 KDA/mHC/SwiGLU, FP8 MoE acts)."""
+        return cls(
+            kda="fp32",
+            kpool="fp8",
+            kpool_pooling="fp32",
+            head_proj="fp32",
+            mhc_post="fp32",
+            swiglu="serving",
+            moe_act="fp8_ue8m0",
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PrecisionConfig:
+        """Build a config from the seed stack's start-up variables, read once, now.
+
+        Starts from :meth:`reference` and applies, for each variable that is set:
+
+        - ``XTUNER_GLM53_KDA_FP32=1`` → ``kda="fp32"``
+        - ``XTUNER_GLM53_KPOOL_BF16=1`` → BF16 pools with FP32 pooling and FP32 head projection;
+          ``=0`` → the FP8 serving indexer (``kpool="fp8"``, FP32 head projection)
+        - ``XTUNER_GLM53_LMDEPLOY_SWIGLU=1`` → ``swiglu="serving"``
+        - ``FP8=1`` → ``moe_act="fp8_ue8m0"``
+
+        A value other than ``"0"`` or ``"1"`` raises ``ValueError``. Meant for migrating launch
+        scripts; models should hold an explicit config.
+        """
+        env = os.environ if environ is None else environ
+        flags: dict[str, bool] = {}
+        for name in _ENV_FLAGS:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            if raw not in ("0", "1"):
+                raise ValueError(f"environment variable {name} must be '0' or '1', got {raw!r}")
+            flags[name] = raw == "1"
+        changes: dict[str, str] = {}
+        if flags.get("XTUNER_GLM53_KDA_FP32"):
+            changes["kda"] = "fp32"
+        if "XTUNER_GLM53_KPOOL_BF16" in flags:
+            if flags["XTUNER_GLM53_KPOOL_BF16"]:
+                changes.update(kpool="bf16", kpool_pooling="fp32", head_proj="fp32")
+            else:
+                changes.update(kpool="fp8", head_proj="fp32")
+        if flags.get("XTUNER_GLM53_LMDEPLOY_SWIGLU"):
+            changes["swiglu"] = "serving"
+        if flags.get("FP8"):
+            changes["moe_act"] = "fp8_ue8m0"
+        return dataclasses.replace(cls.reference(), **changes)
+
+    def replace(self, **changes: object) -> PrecisionConfig:
+        """A copy with ``changes`` applied (validated like the constructor)."""
+        return dataclasses.replace(self, **changes)
+
+    def toggles(self) -> dict[str, PrecisionConfig]:
+        """Every config that differs from this one in exactly one choice field, keyed ``field=value``."""
+        out = {}
+        for name, allowed in _CHOICES.items():
+            for value in allowed:
+                if value != getattr(self, name):
+                    out[f"{name}={value}"] = self.replace(**{name: value})
+        return out
+
+
+class _Active:
+    """Holder of the active config; a plain attribute so Dynamo guards on it while tracing."""
+
+    config: PrecisionConfig = PrecisionConfig.reference()
+
+
+def active_config() -> PrecisionConfig:
+    """The config selected by the innermost :func:`precision` block (``reference()`` outside any)."""
+    return _Active.config
+
+
+@contextlib.contextmanager
+def precision(config: PrecisionConfig) -> Iterator[PrecisionConfig]:
+    """Select ``config`` for code traced or run inside the block.
+
+    Ops called with ``precision=None`` read the active config while Dynamo traces, so the choice
+    becomes a literal in the compiled graph and is guarded: calling a compiled function under a
+    different config recompiles once; under the same config it never recompiles.
+    """
+    if not isinstance(config, PrecisionConfig):
+        raise ValueError(f"precision() takes a PrecisionConfig, got {type(config).__name__}")
+    previous = _Active.config
+    _Active.config = config
+    try:
+        yield config
+    finally:
+        _Active.config = previous

@@ -1,0 +1,69 @@
+"""CUDA kernels of ``glm53::kda_chunk`` / ``kda_chunk_bwd``: flash-linear-attention's KDA chunk
+kernels (fla-core 0.6.0), called below its ``torch.compiler.disable``-wrapped public ``chunk_kda``.
+
+Packed documents use fla's fixed-shape chunk list (``use_graph=True``): the number of chunk slots
+is ``ceil(T/64) + N - 1`` from static shapes, so nothing synchronises with the host and the calls
+can be captured in a CUDA graph. Precision "fp32" runs the same kernels on FP32-promoted inputs
+(their dots use TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+from fla.ops.kda.chunk_bwd import chunk_kda_bwd as _fla_chunk_kda_bwd
+from fla.ops.kda.chunk_fwd import chunk_kda_fwd as _fla_chunk_kda_fwd
+from fla.ops.utils.index import prepare_chunk_indices_static
+
+from inductor_ext.ops.kda import CHUNK
+
+__all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
+
+
+def _compute_dtype(precision: str) -> torch.dtype:
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+def _chunk_list(cu_seqlens, T: int):
+    if cu_seqlens is None:
+        return None, None
+    n_docs = cu_seqlens.shape[0] - 1
+    return prepare_chunk_indices_static(cu_seqlens, CHUNK, nt_max=-(-T // CHUNK) + n_docs - 1)
+
+
+def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+    out_dtype = v.dtype
+    dt = _compute_dtype(precision)
+    q, k, v, beta = (x.to(dt).contiguous() for x in (q, k, v, beta))
+    T = q.shape[1]
+    qn, q_rstd = l2norm_fwd(q)
+    kn, k_rstd = l2norm_fwd(k)
+    chunk_indices, chunk_offsets = _chunk_list(cu_seqlens, T)
+    o, final_state, g_cumsum, Aqk, Akk, *_ = _fla_chunk_kda_fwd(
+        q=qn, k=kn, v=v, g=g.contiguous(), beta=beta, scale=scale,
+        initial_state=None if initial_state is None else initial_state.contiguous(),
+        output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        chunk_size=CHUNK, use_graph=cu_seqlens is not None, chunk_offsets=chunk_offsets,
+    )
+    rstd_shape = q.shape[:3]
+    return (o.to(out_dtype), final_state, qn, kn, q_rstd.view(rstd_shape), k_rstd.view(rstd_shape), g_cumsum, Aqk, Akk)
+
+
+def kda_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
+                  qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk, do, dht):
+    dt = _compute_dtype(precision)
+    v_c, beta_c = v.to(dt).contiguous(), beta.to(dt).contiguous()
+    chunk_indices, chunk_offsets = _chunk_list(cu_seqlens, q.shape[1])
+    dq, dk, dv, dbeta, dg, dh0, _, _ = _fla_chunk_kda_bwd(
+        q=qn, k=kn, v=v_c, beta=beta_c, Aqk=Aqk, Akk=Akk, scale=scale,
+        initial_state=None if initial_state is None else initial_state.contiguous(),
+        do=do.to(dt).contiguous(), dht=None if dht is None else dht.contiguous(), g=g_cumsum,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
+        use_graph=cu_seqlens is not None, chunk_offsets=chunk_offsets,
+    )
+    dq = l2norm_bwd(qn, q_rstd.reshape(-1), dq)
+    dk = l2norm_bwd(kn, k_rstd.reshape(-1), dk)
+    if dh0 is None:  # no initial state: the op still returns a (zero) dh0
+        n_states = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+        dh0 = q.new_zeros(n_states, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0

@@ -1,0 +1,352 @@
+"""KDA (Kimi delta attention) ops: ``glm53::kda_chunk`` (+ ``glm53::kda_chunk_bwd``) and
+``glm53::kda_recurrent``.
+
+Contract (``shared/DESIGN.md`` §4). q, k ``[B,T,H,K]``; v ``[B,T,H,V]``; g ``[B,T,H,K]`` float32
+log-decay (≤ 0, already activated); beta ``[B,T,H]``; optional initial_state float32 ``[N,H,K,V]``;
+optional cu_seqlens int64 ``[N+1]`` for packed documents (then B = 1). q and k are L2-normalized
+inside the op, ``x / sqrt(Σx² + 1e-6)``. Per token::
+
+    S' = Diag(exp g_t) S_{t-1};  S_t = S' + β_t k_t (v_t − S'ᵀ k_t)ᵀ;  o_t = S_tᵀ (scale · q_t)
+
+Precision ``"bf16"``: q, k, v, beta are rounded to BF16 on entry and the intermediates are rounded
+where flash-linear-attention's chunk_kda rounds them (normalized q/k, Aqk, Akk⁻¹, w, u, kg, per-chunk
+h, v_new). ``"fp32"``: q, k, v, beta are promoted to FP32 before the L2 norm and every intermediate
+stays FP32. o is returned in v's dtype, the final state in FP32, gradients in their input's dtype.
+
+Besides (o, final_state), ``kda_chunk`` returns the residuals its backward reads, in the layout of
+flash-linear-attention's kernels: qn, kn (normalized q/k), q_rstd, k_rstd ``[B,T,H]`` FP32,
+g_cumsum (chunk-local cumulative g in log2 units, FP32), Aqk and Akk⁻¹ ``[B,T,H,64]`` (row = token,
+column = position inside its chunk). Chunks of 64 tokens start at every document start.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from inductor_ext import backends
+
+__all__ = [
+    "CHUNK",
+    "PRECISIONS",
+    "kda_chunk_reference",
+    "kda_recurrent_reference",
+    "validate_kda_inputs",
+    "check_kda_values",
+]
+
+CHUNK = 64
+PRECISIONS = ("bf16", "fp32")
+L2_EPS = 1e-6
+MAX_HEAD_DIM = 256
+_LOG2E = 1.0 / math.log(2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, precision) -> None:
+    """Static checks (shapes, dtypes, devices, precision); raise ``ValueError`` naming the rule."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"kda precision must be one of {PRECISIONS}, got {precision!r}")
+    if q.dim() != 4:
+        raise ValueError(f"kda: q must be [B,T,H,K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"kda: k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"kda: v must be [B,T,H,V] with B,T,H = {B},{T},{H}, got {tuple(v.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"kda: g must be [B,T,H,K] = {tuple(q.shape)}, got {tuple(g.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"kda: beta must be [B,T,H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+    if K > MAX_HEAD_DIM:
+        raise ValueError(f"kda: head dim K must be <= {MAX_HEAD_DIM}, got {K}")
+    floats = (torch.bfloat16, torch.float32)
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if t.dtype not in floats:
+            raise ValueError(f"kda: {name} must be bfloat16 or float32, got {t.dtype}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"kda: q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    if g.dtype != torch.float32:
+        raise ValueError(f"kda: g (log-decay) must be float32, got {g.dtype}")
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    if cu_seqlens is not None:
+        if cu_seqlens.dtype != torch.int64 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(
+                f"kda: cu_seqlens must be a 1-D int64 tensor of N+1 >= 2 offsets, got "
+                f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            )
+        if B != 1:
+            raise ValueError(f"kda: batch must be 1 when cu_seqlens packs documents, got B={B}")
+        tensors["cu_seqlens"] = cu_seqlens
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if initial_state is not None:
+        expected = (N, H, K, v.shape[-1])
+        if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != expected:
+            raise ValueError(
+                f"kda: initial_state must be float32 [N,H,K,V] = {expected}, got "
+                f"{initial_state.dtype} {tuple(initial_state.shape)}"
+            )
+        tensors["initial_state"] = initial_state
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"kda: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"kda: tensors must be on cpu or cuda, got {q.device}")
+
+
+def check_kda_values(g, cu_seqlens, T: int) -> None:
+    """Data checks (host synchronising, so the public wrappers run them only in eager mode):
+    a finite gate and sorted, in-range ``cu_seqlens`` that start at 0 and end at T."""
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError("kda: g (log-decay) must be finite")
+    if cu_seqlens is not None:
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"kda: cu_seqlens must be non-decreasing from 0 to T={T}, got {cu}")
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU reference kernels (plain torch; also the CUDA fallback without flash-linear-attention)
+# ---------------------------------------------------------------------------------------------
+
+
+def _l2norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rstd = torch.rsqrt(x.float().square().sum(-1) + L2_EPS)
+    return x.float() * rstd[..., None], rstd
+
+
+def _chunk_document(qn, kn, v, g, beta, scale, state, rnd):
+    """The chunk algorithm over one document: every argument FP32, ``[B,L,H,·]``; state ``[B,H,K,V]``.
+
+    ``rnd`` rounds a stored intermediate (to BF16 and back for precision "bf16", identity for
+    "fp32"). Returns o, the final state and this document's g_cumsum / Aqk / Akk⁻¹ residuals.
+    """
+    B, L, H, K = qn.shape
+    outs, gcums, aqks, akks = [], [], [], []
+    for s in range(0, L, CHUNK):
+        c = min(CHUNK, L - s)
+        q_c, k_c, v_c, g_c = (x[:, s:s + c].transpose(1, 2) for x in (qn, kn, v, g))  # [B,H,c,·]
+        b_c = beta[:, s:s + c].transpose(1, 2)[..., None]  # [B,H,c,1]
+        gc = g_c.cumsum(2)
+        lower = torch.ones(c, c, dtype=torch.bool, device=qn.device).tril()
+        # decay[i,j,:] = exp(gc_i - gc_j) for j <= i; masked before exp so j > i cannot overflow
+        diff = gc[..., :, None, :] - gc[..., None, :, :]
+        decay = diff.masked_fill(~lower[..., None], float("-inf")).exp()
+        aqk = rnd(scale * (q_c[..., :, None, :] * k_c[..., None, :, :] * decay).sum(-1))
+        kk = (k_c[..., :, None, :] * k_c[..., None, :, :] * decay).sum(-1) * b_c
+        eye = torch.eye(c, dtype=qn.dtype, device=qn.device)
+        akk = rnd(torch.linalg.solve_triangular(eye + kk.tril(-1), eye, upper=False, unitriangular=True))
+        u = rnd(akk @ rnd(v_c * b_c))
+        w = rnd(akk @ rnd(k_c * b_c * gc.exp()))
+        kg = rnd(k_c * (gc[..., -1:, :] - gc).exp())
+        h = rnd(state)
+        v_new = rnd(u - w @ h)
+        o_c = scale * (rnd(q_c * gc.exp()) @ h) + aqk @ v_new
+        state = state * gc[..., -1, :, None].exp() + kg.transpose(-1, -2) @ v_new
+        outs.append(o_c)
+        gcums.append(gc * _LOG2E)
+        aqks.append(torch.nn.functional.pad(aqk, (0, CHUNK - c)))
+        akks.append(torch.nn.functional.pad(akk, (0, CHUNK - c)))
+    cat = lambda xs: torch.cat(xs, 2).transpose(1, 2)  # noqa: E731  [B,H,L,·] -> [B,L,H,·]
+    return cat(outs), state, cat(gcums), cat(aqks), cat(akks)
+
+
+def _documents(T: int, cu_seqlens):
+    if cu_seqlens is None:
+        return [(0, T)]
+    cu = cu_seqlens.tolist()
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def kda_chunk_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+    """Plain-torch chunk algorithm (chunk 64); differentiable, so its VJP is the reference backward.
+
+    Returns the 9 outputs of ``glm53::kda_chunk`` (see the module docstring).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    out_dtype = v.dtype
+    if precision == "bf16":
+        q, k, v, beta = (x.to(torch.bfloat16) for x in (q, k, v, beta))
+        rnd = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
+        store = torch.bfloat16
+    else:
+        rnd = lambda x: x  # noqa: E731
+        store = torch.float32
+    qn, q_rstd = _l2norm(q)
+    kn, k_rstd = _l2norm(k)
+    qn, kn = rnd(qn), rnd(kn)
+    vf, bf = v.float(), beta.float()
+    docs = _documents(T, cu_seqlens)
+    N = len(docs) if cu_seqlens is not None else B
+    h0 = initial_state if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
+    parts, finals = [], []
+    for n, (bos, eos) in enumerate(docs):
+        state = h0[n:n + 1] if cu_seqlens is not None else h0
+        sl = slice(bos, eos)
+        if eos == bos:
+            finals.append(state)
+            continue
+        o, state, gcum, aqk, akk = _chunk_document(
+            qn[:, sl], kn[:, sl], vf[:, sl], g[:, sl], bf[:, sl], scale, state, rnd
+        )
+        parts.append((o, gcum, aqk, akk))
+        finals.append(state)
+    o, gcum, aqk, akk = (torch.cat(xs, 1) for xs in zip(*parts)) if parts else (
+        vf.new_zeros(B, 0, H, V), g.new_zeros(B, 0, H, K), *(g.new_zeros(B, 0, H, CHUNK),) * 2
+    )
+    final = torch.cat(finals, 0)
+    return (
+        o.to(out_dtype),
+        final,
+        qn.to(store),
+        kn.to(store),
+        q_rstd,
+        k_rstd,
+        gcum,
+        aqk.to(store),
+        akk.to(store),
+    )
+
+
+def kda_recurrent_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """Serving semantics: the token recurrence with FP32 state and FP32 math (inputs promoted
+    before the L2 norm). Returns (o in v's dtype, final state FP32 ``[N,H,K,V]``)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    qn, _ = _l2norm(q)
+    kn, _ = _l2norm(k)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    docs = _documents(T, cu_seqlens)
+    N = len(docs) if cu_seqlens is not None else B
+    h0 = initial_state if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
+    o = vf.new_zeros(B, T, H, V)
+    finals = []
+    for n, (bos, eos) in enumerate(docs):
+        S = (h0[n:n + 1] if cu_seqlens is not None else h0).clone()
+        for t in range(bos, eos):
+            S = S * gf[:, t, :, :, None].exp()
+            kt = kn[:, t]
+            delta = vf[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
+            S = S + torch.einsum("bhk,bhv->bhkv", bf[:, t, :, None] * kt, delta)
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", scale * qn[:, t], S)
+        finals.append(S)
+    return o.to(v.dtype), torch.cat(finals, 0)
+
+
+def _kda_chunk_reference_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, do, dht):
+    def forward(q_, k_, v_, g_, beta_, h0_):
+        o, final = kda_chunk_reference(q_, k_, v_, g_, beta_, scale, h0_, cu_seqlens, precision)[:2]
+        return o, final
+
+    N = (cu_seqlens.shape[0] - 1) if cu_seqlens is not None else q.shape[0]
+    h0 = initial_state
+    if h0 is None:
+        h0 = q.new_zeros(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+    (o, final), vjp = torch.func.vjp(forward, q, k, v, g, beta, h0)
+    dht = torch.zeros_like(final) if dht is None else dht
+    return vjp((do.to(o.dtype), dht))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops
+# ---------------------------------------------------------------------------------------------
+
+_T = torch.Tensor
+
+
+def _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+    with torch.no_grad():
+        return tuple(x.contiguous() for x in kda_chunk_reference(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, precision))
+
+
+def _kda_chunk_bwd_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
+                                    qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk, do, dht):
+    grads = _kda_chunk_reference_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, do, dht)
+    return tuple(gr.to(x.dtype).contiguous() for gr, x in zip(grads, (q, k, v, g, beta, grads[5])))
+
+
+@torch.library.custom_op("glm53::kda_chunk", mutates_args=(), device_types="cpu")
+def kda_chunk(
+    q: _T, k: _T, v: _T, g: _T, beta: _T, scale: float,
+    initial_state: _T | None, cu_seqlens: _T | None, precision: str,
+) -> tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]:
+    """KDA chunk forward: (o, final_state, qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk).
+    CPU kernel = :func:`kda_chunk_reference`; see the module docstring for the contract."""
+    return _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
+
+
+@torch.library.custom_op("glm53::kda_chunk_bwd", mutates_args=(), device_types="cpu")
+def kda_chunk_bwd(
+    q: _T, k: _T, v: _T, g: _T, beta: _T, scale: float,
+    initial_state: _T | None, cu_seqlens: _T | None, precision: str,
+    qn: _T, kn: _T, q_rstd: _T, k_rstd: _T, g_cumsum: _T, Aqk: _T, Akk: _T,
+    do: _T, dht: _T | None,
+) -> tuple[_T, _T, _T, _T, _T, _T]:
+    """KDA chunk backward: (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype (dh0 FP32,
+    zeros without an initial state). The CPU kernel is the VJP of :func:`kda_chunk_reference`
+    recomputed from the inputs; the residuals serve the CUDA kernels."""
+    return _kda_chunk_bwd_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
+                                           qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk, do, dht)
+
+
+@torch.library.custom_op("glm53::kda_recurrent", mutates_args=(), device_types=("cpu", "cuda"))
+def kda_recurrent(
+    q: _T, k: _T, v: _T, g: _T, beta: _T, scale: float,
+    initial_state: _T | None, cu_seqlens: _T | None,
+) -> tuple[_T, _T]:
+    """Serving reference, forward only: (o, final_state) of the FP32 token recurrence
+    (:func:`kda_recurrent_reference`, plain torch on every device)."""
+    with torch.no_grad():
+        return tuple(x.contiguous() for x in kda_recurrent_reference(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens))
+
+
+_FALLBACK = "the plain-torch reference kernel (slow, synchronises with the host)"
+
+
+@kda_chunk.register_kernel("cuda")
+def _kda_chunk_cuda(*args):
+    if backends.load("fla", "glm53::kda_chunk", fallback=_FALLBACK) is None:
+        return _kda_chunk_reference_kernel(*args)
+    from inductor_ext.kernels import kda_fla
+
+    return kda_fla.kda_chunk_fwd(*args)
+
+
+@kda_chunk_bwd.register_kernel("cuda")
+def _kda_chunk_bwd_cuda(*args):
+    if backends.load("fla", "glm53::kda_chunk_bwd", fallback=_FALLBACK) is None:
+        return _kda_chunk_bwd_reference_kernel(*args)
+    from inductor_ext.kernels import kda_fla
+
+    return kda_fla.kda_chunk_bwd(*args)
+
+
+# autograd: residual outputs are non-differentiable, grads of unused outputs stay None
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, precision = inputs
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)
+    ctx.scale, ctx.precision = scale, precision
+    ctx.has_initial_state = initial_state is not None
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
+
+
+def _backward(ctx, do, dht, *_residual_grads):
+    q, k, v, g, beta, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.glm53.kda_chunk_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, ctx.precision, *residuals, do, dht
+    )
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None
+
+
+kda_chunk.register_autograd(_backward, setup_context=_setup_context)
