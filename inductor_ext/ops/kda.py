@@ -214,29 +214,31 @@ def kda_chunk_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens, prec
     )
 
 
-def kda_recurrent_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens):
-    """Serving semantics: the token recurrence with FP32 state and FP32 math (inputs promoted
-    before the L2 norm). Returns (o in v's dtype, final state FP32 ``[N,H,K,V]``)."""
+def kda_recurrent_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens, compute_dtype=torch.float32):
+    """Serving semantics: the token recurrence with the state and all math in ``compute_dtype``
+    (FP32 = serving; FP64 gives an accuracy reference), inputs promoted before the L2 norm.
+    Differentiable. Returns (o in v's dtype, final state in ``compute_dtype`` ``[N,H,K,V]``)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    qn, _ = _l2norm(q)
-    kn, _ = _l2norm(k)
-    vf, gf, bf = v.float(), g.float(), beta.float()
+    out_dtype = v.dtype
+    q, k, v, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
+    qn = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + L2_EPS)
+    kn = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + L2_EPS)
     docs = _documents(T, cu_seqlens)
     N = len(docs) if cu_seqlens is not None else B
-    h0 = initial_state if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
-    o = vf.new_zeros(B, T, H, V)
-    finals = []
+    h0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(compute_dtype)
+    outs, finals = [], []
     for n, (bos, eos) in enumerate(docs):
-        S = (h0[n:n + 1] if cu_seqlens is not None else h0).clone()
+        S = h0[n:n + 1] if cu_seqlens is not None else h0
         for t in range(bos, eos):
-            S = S * gf[:, t, :, :, None].exp()
+            S = S * g[:, t, :, :, None].exp()
             kt = kn[:, t]
-            delta = vf[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
-            S = S + torch.einsum("bhk,bhv->bhkv", bf[:, t, :, None] * kt, delta)
-            o[:, t] = torch.einsum("bhk,bhkv->bhv", scale * qn[:, t], S)
+            delta = v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
+            S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * kt, delta)
+            outs.append(torch.einsum("bhk,bhkv->bhv", scale * qn[:, t], S))
         finals.append(S)
-    return o.to(v.dtype), torch.cat(finals, 0)
+    o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, V)
+    return o.to(out_dtype), torch.cat(finals, 0)
 
 
 def _kda_chunk_reference_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, do, dht):
@@ -248,6 +250,9 @@ def _kda_chunk_reference_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens,
     h0 = initial_state
     if h0 is None:
         h0 = q.new_zeros(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
+    # torch.func.vjp, unlike torch.autograd, works below the autograd key where kernels run.
+    # Known limit: it fails under an active Python dispatch mode (e.g. opcheck's schema and
+    # fake-tensor cross-checks), so the CPU backward cannot run inside one.
     (o, final), vjp = torch.func.vjp(forward, q, k, v, g, beta, h0)
     dht = torch.zeros_like(final) if dht is None else dht
     return vjp((do.to(o.dtype), dht))

@@ -1,0 +1,81 @@
+"""Command line: ``python -m inductor_ext {report,bench,doctor}`` (also the ``glm53-inductor`` script)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+__all__ = ["main"]
+
+
+def _progress():
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda msg: print(f"... {msg}", file=sys.stderr, flush=True)
+    return lambda msg: tqdm.write(f"... {msg}", file=sys.stderr)
+
+
+def _device(arg: str | None) -> str:
+    if arg is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if arg == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device is visible; use --device cpu")
+    return arg
+
+
+def _doctor() -> dict:
+    from inductor_ext import backends
+
+    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    for name in backends.BACKENDS:
+        info[name] = {"usable": backends.available(name), "version": backends.version(name)}
+    fla = torch.cuda.is_available() and backends.available("fla")
+    info["kernels"] = {f"kda_chunk[{p}]": ("flash-linear-attention chunk_kda kernels" + (" (FP32 inputs, TF32 dots)" if p == "fp32" else "")
+                                          if fla else "plain-torch reference") for p in ("bf16", "fp32")}
+    info["kernels"]["kda_recurrent"] = "plain-torch FP32 recurrence"
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m inductor_ext", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report", help="accuracy, compile and (CUDA) timing report")
+    rep.add_argument("--out", type=pathlib.Path, default=pathlib.Path("report_out"))
+    rep.add_argument("--device", choices=("cpu", "cuda"))
+    rep.add_argument("--tokens", type=int, nargs="+", help="token counts of the CUDA timing (default 129 2048 16384)")
+    ben = sub.add_parser("bench", help="CUDA-graph replay timing")
+    ben.add_argument("what", choices=("kda", "all"))
+    ben.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
+    ben.add_argument("--tokens", type=int, nargs="+")
+    ben.add_argument("--samples", type=int, default=50)
+    sub.add_parser("doctor", help="versions, usable back-ends, which kernel each op takes")
+    args = parser.parse_args(argv)
+
+    if args.command == "doctor":
+        print(json.dumps(_doctor(), indent=2))
+        return 0
+    progress = _progress()
+    if args.command == "report":
+        from inductor_ext.report import run_report
+
+        run_report(args.out, _device(args.device), bench_tokens=args.tokens, progress=progress)
+        print((args.out / "report.md").read_text())
+        print(f"wrote {args.out}/report.json, report.md, report.png")
+        return 0
+    _device("cuda")
+    from inductor_ext.bench import DEFAULT_TOKENS, bench_kda, format_kda
+
+    result = bench_kda(tokens=args.tokens or DEFAULT_TOKENS, samples=args.samples, out=args.out, progress=progress)
+    print(format_kda(result))
+    print(f"wrote {args.out}/bench_kda.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

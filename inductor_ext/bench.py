@@ -1,0 +1,93 @@
+"""``python -m inductor_ext bench kda``: CUDA-graph replay timing of the KDA chunk op.
+
+Peers timed in the same process at B=1, H=64, K=V=128: flash-linear-attention's public
+``chunk_kda`` on BF16 inputs (L2 norm in kernel), ours ``bf16`` and ours ``fp32`` (BF16 inputs
+promoted inside the op). Forward: p50 / max of single graph replays; forward+backward: the same
+for a graph that holds the forward and ``torch.autograd.grad`` of all five inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+
+from inductor_ext import backends, timing
+from inductor_ext.ops import kda_chunk
+
+__all__ = ["bench_kda", "DEFAULT_TOKENS"]
+
+DEFAULT_TOKENS = (129, 2048, 16384)
+
+
+def _inputs(T, H, K, V, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    leaves = {
+        "q": rnd(1, T, H, K).bfloat16(), "k": rnd(1, T, H, K).bfloat16(), "v": rnd(1, T, H, V).bfloat16(),
+        "g": -5.0 * torch.sigmoid(rnd(1, T, H, K) - 3.0), "beta": torch.sigmoid(rnd(1, T, H)).bfloat16(),
+    }
+    return {n: x.requires_grad_(True) for n, x in leaves.items()}
+
+
+def _peers():
+    peers = {
+        "ours_bf16": lambda x: kda_chunk(*x.values(), precision="bf16"),
+        "ours_fp32": lambda x: kda_chunk(*x.values(), precision="fp32"),
+    }
+    if backends.available("fla"):
+        from fla.ops.kda import chunk_kda
+
+        peers = {"fla_chunk_kda_bf16": lambda x: chunk_kda(
+            *x.values(), use_qk_l2norm_in_kernel=True, output_final_state=True), **peers}
+    return peers
+
+
+def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, out: pathlib.Path | None = None,
+              progress=None) -> dict:
+    """Time every peer at every token count; returns (and writes to ``out/bench_kda.json``) the table."""
+    if not torch.cuda.is_available():
+        raise ValueError("bench kda needs a CUDA device")
+    rows = []
+    peers = _peers()
+    for T in tokens:
+        inputs = _inputs(T, heads, dim, dim)
+        do = torch.randn(1, T, heads, dim, device="cuda").bfloat16()
+        for name, fn in peers.items():
+            if progress:
+                progress(f"kda T={T} {name}")
+
+            def fwd():
+                with torch.no_grad():
+                    fn(inputs)
+
+            def fwd_bwd():
+                o, _ = fn(inputs)
+                torch.autograd.grad(o, list(inputs.values()), do)
+
+            row = {"tokens": T, "heads": heads, "dim": dim, "peer": name}
+            for label, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+                graph = timing.capture(step, warmup=warmup)
+                stats = timing.summarize(timing.replay_times_us(graph, samples=samples))
+                row.update({f"{label}_{k}": v for k, v in stats.items() if k != "samples"})
+                del graph
+            row["samples"] = samples
+            rows.append(row)
+        del inputs, do
+        torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "fla": backends.version("fla"), "method": "CUDA-graph replay, CUDA events", "rows": rows}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_kda.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def format_kda(result: dict) -> str:
+    """A markdown table of :func:`bench_kda`'s rows."""
+    lines = ["| T | peer | fwd p50 / max (us) | fwd+bwd p50 / max (us) |", "| --- | --- | --- | --- |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['tokens']} | {r['peer']} | {r['fwd_p50_us']:.1f} / {r['fwd_max_us']:.1f} | "
+                     f"{r['fwd_bwd_p50_us']:.1f} / {r['fwd_bwd_max_us']:.1f} |")
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""``python -m inductor_ext report``: KDA accuracy against FP64, compile behaviour and (on CUDA)
+CUDA-graph replay timing, as ``report.json``, ``report.md`` and ``report.png`` under ``--out``."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import torch
+
+import inductor_ext
+from inductor_ext import PrecisionConfig, ops
+from inductor_ext.ops.kda import kda_recurrent_reference
+
+__all__ = ["kda_accuracy", "kda_compile", "run_report"]
+
+_ARGS = ("q", "k", "v", "g", "beta")
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _kda_inputs(lengths, H, K, V, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = {"q": rnd(1, T, H, K).to(dtype), "k": rnd(1, T, H, K).to(dtype), "v": rnd(1, T, H, V).to(dtype),
+         "g": -5.0 * torch.sigmoid(rnd(1, T, H, K) - 3.0), "beta": torch.sigmoid(rnd(1, T, H)).to(dtype)}
+    x = {n: t.to(device) for n, t in x.items()}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device) if len(lengths) > 1 else None
+    return x, cu
+
+
+def kda_accuracy(lengths, heads, dim, device, grad_lengths=None) -> list[dict]:
+    """Relative L2 of ``kda_chunk`` per precision against the FP64 recurrence: FP32 inputs
+    (o, final state, the five input gradients vs the FP64 VJP) and BF16 inputs (o vs the FP64
+    result rounded to BF16)."""
+    rows = []
+    scale = dim ** -0.5
+    for io, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        x, cu = _kda_inputs(lengths, heads, dim, dim, dtype, device)
+        o_ref, s_ref = kda_recurrent_reference(*x.values(), scale, None, cu, compute_dtype=torch.float64)
+        for prec in ("bf16", "fp32"):
+            o, s = ops.kda_chunk(*x.values(), cu_seqlens=cu, precision=prec)
+            target = o_ref.to(torch.bfloat16) if io == "bf16" else o_ref
+            row = {"device": device, "inputs": io, "precision": prec, "tokens": sum(lengths), "heads": heads,
+                   "dim": dim, "o": _rel(o, target), "final_state": _rel(s, s_ref)}
+            if io == "fp32":
+                row.update(_grad_errors(grad_lengths or lengths, heads, dim, device, prec))
+            rows.append(row)
+    return rows
+
+
+def _grad_errors(lengths, heads, dim, device, prec) -> dict:
+    x, cu = _kda_inputs(lengths, heads, dim, dim, torch.float32, device, seed=1)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    o, s = ops.kda_chunk(*leaves.values(), cu_seqlens=cu, precision=prec)
+    do, dht = torch.randn_like(o), torch.randn_like(s)
+    torch.autograd.backward((o, s), (do, dht))
+    ref = {n: t.detach().double().requires_grad_(True) for n, t in x.items()}
+    o64, s64 = kda_recurrent_reference(*ref.values(), dim ** -0.5, None, cu, compute_dtype=torch.float64)
+    torch.autograd.backward((o64, s64), (do.double(), dht.double()))
+    return {f"d{n}": _rel(leaves[n].grad, ref[n].grad) for n in _ARGS} | {"grad_tokens": sum(lengths)}
+
+
+def kda_compile(device) -> list[dict]:
+    """Compile a KDA forward+backward step per backend and precision with ``fullgraph=True``:
+    compile time, frames, graph breaks and whether a repeated call recompiles."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    inductor_ext.enable()
+    x, cu = _kda_inputs((37, 28), 2, 32, 32, torch.bfloat16, device)
+    leaves = [t.clone().requires_grad_(True) for t in x.values()]
+
+    def step(*a):
+        o, s = ops.kda_chunk(*a, cu_seqlens=cu)
+        return o.float().square().mean() + s.square().mean()
+
+    rows = []
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        counters.clear()
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        for prec in ("bf16", "fp32"):
+            with inductor_ext.precision(PrecisionConfig(kda=prec)):
+                start = time.perf_counter()
+                torch.autograd.grad(compiled(*leaves), leaves)
+                seconds = time.perf_counter() - start
+                frames_before = counter.frame_count
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    torch.autograd.grad(compiled(*leaves), leaves)
+            rows.append({"device": device, "backend": backend, "precision": prec, "compile_s": seconds,
+                         "frames_total": counter.frame_count, "recompiled_on_repeat": counter.frame_count != frames_before,
+                         "graph_breaks": sum(counters["graph_break"].values())})
+    torch._dynamo.reset()
+    return rows
+
+
+def _markdown(report: dict) -> str:
+    lines = [f"# glm53-inductor report ({report['device']}, torch {report['torch']})", "",
+             "## KDA accuracy (relative L2 vs FP64 recurrence; BF16 inputs vs FP64 rounded to BF16)", "",
+             "| inputs | precision | T | H×D | o | final state | dq | dk | dv | dg | dbeta |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["kda_accuracy"]:
+        grads = " | ".join(f"{r[k]:.2e}" if k in r else "–" for k in ("dq", "dk", "dv", "dg", "dbeta"))
+        lines.append(f"| {r['inputs']} | {r['precision']} | {r['tokens']} | {r['heads']}×{r['dim']} | "
+                     f"{r['o']:.2e} | {r['final_state']:.2e} | {grads} |")
+    lines += ["", "## Compile (forward + backward, fullgraph=True)", "",
+              "| backend | precision | compile s | frames so far | graph breaks | recompiled on repeat |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in report["kda_compile"]:
+        lines.append(f"| {r['backend']} | {r['precision']} | {r['compile_s']:.2f} | {r['frames_total']} | "
+                     f"{r['graph_breaks']} | {r['recompiled_on_repeat']} |")
+    if report.get("kda_bench"):
+        from inductor_ext.bench import format_kda
+
+        lines += ["", "## KDA CUDA-graph replay timing", "", format_kda(report["kda_bench"])]
+    return "\n".join(lines) + "\n"
+
+
+def _chart(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["kda_accuracy"] if r["inputs"] == "fp32"]
+    keys = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.4
+    for i, r in enumerate(rows):
+        ax.bar([j + i * width for j in range(len(keys))], [r[k] for k in keys], width, label=f"precision {r['precision']}")
+    ax.set_xticks([j + width / 2 for j in range(len(keys))], keys)
+    ax.set_yscale("log")
+    ax.set_ylabel("relative L2 vs FP64")
+    ax.set_title(f"kda_chunk, FP32 inputs ({report['device']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_report(out: pathlib.Path, device: str, bench_tokens=None, progress=print) -> dict:
+    """Build the report on ``device`` and write ``report.json``, ``report.md``, ``report.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = device == "cuda"
+    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+              "version": inductor_ext.__version__}
+    progress("KDA accuracy vs FP64")
+    if cuda:
+        report["kda_accuracy"] = kda_accuracy((1024, 1024), 64, 128, device, grad_lengths=(100, 92))
+    else:
+        report["kda_accuracy"] = kda_accuracy((70, 59), 4, 64, device)
+    progress("KDA compile (aot_eager, inductor)")
+    report["kda_compile"] = kda_compile(device)
+    if cuda:
+        from inductor_ext.bench import DEFAULT_TOKENS, bench_kda
+
+        progress("KDA CUDA-graph timing")
+        report["kda_bench"] = bench_kda(tokens=bench_tokens or DEFAULT_TOKENS, progress=progress)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(_markdown(report))
+    _chart(report, out / "report.png")
+    return report

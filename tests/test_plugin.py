@@ -1,0 +1,62 @@
+"""enable(): idempotent, salts Inductor's cache key; importing needs only torch."""
+
+import subprocess
+import sys
+
+import pytest
+
+import inductor_ext
+from inductor_ext import plugin
+from lowerings._compat import CustomGraphPass, inductor_config
+
+
+@pytest.fixture
+def clean_pass_slot():
+    saved = inductor_config.post_grad_custom_post_pass
+    inductor_config.post_grad_custom_post_pass = None
+    yield
+    inductor_config.post_grad_custom_post_pass = saved
+
+
+def test_enable_is_idempotent(clean_pass_slot):
+    inductor_ext.enable()
+    first = inductor_config.post_grad_custom_post_pass
+    inductor_ext.enable()
+    assert inductor_config.post_grad_custom_post_pass is first and inductor_ext.is_enabled()
+    assert first.uuid() == ("glm53-inductor", plugin.source_hash(), None)
+
+
+def test_enable_keeps_an_existing_pass(clean_pass_slot):
+    calls = []
+
+    class Other(CustomGraphPass):
+        def __call__(self, graph):
+            calls.append(graph)
+
+        def uuid(self):
+            return "other"
+
+    inductor_config.post_grad_custom_post_pass = Other()
+    inductor_ext.enable()
+    installed = inductor_config.post_grad_custom_post_pass
+    assert installed.uuid()[-1] == "other"
+    installed("graph")
+    assert calls == ["graph"]
+
+
+def test_enable_refuses_uncacheable_pass(clean_pass_slot):
+    inductor_config.post_grad_custom_post_pass = lambda graph: None
+    with pytest.raises(ValueError, match="CustomGraphPass"):
+        inductor_ext.enable()
+
+
+def test_source_hash_covers_package_sources():
+    assert len(plugin.source_hash()) == 64
+
+
+def test_import_needs_only_torch():
+    code = ("import sys, inductor_ext, fake_impls, lowerings, graphs; "
+            "bad = [m for m in ('triton', 'fla', 'tilelang', 'deep_gemm', 'lmdeploy') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
