@@ -5,5 +5,10 @@ package registers every fake; ``inductor_ext.ops`` does so after defining the op
 """
 
 from fake_impls import kda  # noqa: F401
+from fake_impls import fp8_qdq, fp32_linear, layer_norm_fp32, mhc, swiglu  # noqa: F401
 
 __all__ = ["kda"]
+__all__ += ["fp32_linear", "layer_norm_fp32", "swiglu", "fp8_qdq", "mhc"]
+from fake_impls import kpool  # noqa: F401, E402
+
+__all__ += ["kpool"]

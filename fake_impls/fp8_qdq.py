@@ -1,0 +1,14 @@
+"""Fake of ``glm53::fp8_qdq``: (x's shape and dtype, FP32 scales ``[..., D/128]``), contiguous."""
+
+from __future__ import annotations
+
+import torch
+
+from inductor_ext.ops.fp8_qdq import GROUP
+
+__all__ = ["fp8_qdq_fake"]
+
+
+@torch.library.register_fake("glm53::fp8_qdq")
+def fp8_qdq_fake(x, scale_fmt):
+    return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], x.shape[-1] // GROUP), dtype=torch.float32)

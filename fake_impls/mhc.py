@@ -1,0 +1,28 @@
+"""Fakes of ``glm53::mhc_pre`` and ``glm53::mhc_post`` (all outputs contiguous).
+
+mhc_pre: (mixed ``[..., D]`` in x's dtype, post FP32 ``[..., N]``, comb FP32 ``[..., N, N]``);
+mhc_post: residual's shape ``[..., N, D]`` and dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import inductor_ext.ops.mhc  # noqa: F401  (defines the op)
+
+__all__ = ["mhc_pre_fake", "mhc_post_fake"]
+
+
+@torch.library.register_fake("glm53::mhc_pre")
+def mhc_pre_fake(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    lead, N, D = x.shape[:-2], x.shape[-2], x.shape[-1]
+    return (
+        x.new_empty((*lead, D)),
+        x.new_empty((*lead, N), dtype=torch.float32),
+        x.new_empty((*lead, N, N), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("glm53::mhc_post")
+def mhc_post_fake(f, residual, post, comb, precision):
+    return residual.new_empty(residual.shape)

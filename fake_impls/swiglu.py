@@ -1,0 +1,14 @@
+"""Fake of ``glm53::swiglu``: gate's shape and dtype, contiguous."""
+
+from __future__ import annotations
+
+import torch
+
+import inductor_ext.ops.swiglu  # noqa: F401  (defines the op)
+
+__all__ = ["swiglu_fake"]
+
+
+@torch.library.register_fake("glm53::swiglu")
+def swiglu_fake(gate, up, limit, mode):
+    return gate.new_empty(gate.shape)

@@ -1,0 +1,84 @@
+"""``glm53::fp32_linear``: a linear layer computed in IEEE FP32 whatever the input dtypes.
+
+Contract (``shared/DESIGN.md`` §4): ``y = x.float() @ weight.float()ᵀ (+ bias.float())``, output
+FP32. Autocast is switched off inside the kernel and the backward (a custom op without an autocast
+kernel would otherwise run its matmul under the caller's autocast dtype), and nothing global is set:
+on CUDA the FP32 matmul is IEEE as long as the caller keeps PyTorch's default
+``torch.backends.cuda.matmul.allow_tf32 = False`` / ``float32_matmul_precision("highest")``.
+Gradients are computed in FP32 and returned in each input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fp32_linear_reference", "validate_fp32_linear_inputs"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def validate_fp32_linear_inputs(x, weight, bias) -> None:
+    """Static checks (shapes, dtypes, devices); raise ``ValueError`` naming the rule."""
+    tensors = {"x": x, "weight": weight}
+    if bias is not None:
+        tensors["bias"] = bias
+    for name, t in tensors.items():
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"fp32_linear: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if x.dim() < 1:
+        raise ValueError("fp32_linear: x must have at least one dimension [..., in_features]")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"fp32_linear: weight must be [out_features, in_features={x.shape[-1]}], got {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"fp32_linear: bias must be [out_features={weight.shape[0]}], got {tuple(bias.shape)}")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"fp32_linear: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fp32_linear: tensors must be on cpu or cuda, got {x.device}")
+
+
+def fp32_linear_reference(x, weight, bias):
+    """Plain-torch kernel (every device): FP32 matmul with autocast off; returns FP32 ``[..., out]``."""
+    with torch.autocast(x.device.type, enabled=False):
+        y = torch.matmul(x.float(), weight.float().t())
+        if bias is not None:
+            y = y + bias.float()
+    return y.contiguous()
+
+
+_T = torch.Tensor
+
+
+@torch.library.custom_op("glm53::fp32_linear", mutates_args=(), device_types=("cpu", "cuda"))
+def fp32_linear(x: _T, weight: _T, bias: _T | None) -> _T:
+    """``x [..., in]`` (bf16/fp16/fp32) · ``weight [out, in]``ᵀ + ``bias [out]`` in IEEE FP32 →
+    FP32 ``[..., out]``. Kernel: :func:`fp32_linear_reference`."""
+    return fp32_linear_reference(x, weight, bias)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx = dw = db = None
+    with torch.autocast(x.device.type, enabled=False):
+        dyf = dy.float()
+        if ctx.needs_input_grad[0]:
+            dx = torch.matmul(dyf, weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dy2 = dyf.reshape(-1, dyf.shape[-1])
+            dw = torch.matmul(dy2.t(), x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dyf.reshape(-1, dyf.shape[-1]).sum(0).to(ctx.bias_dtype)
+    return dx, dw, db
+
+
+fp32_linear.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,86 @@
+"""``glm53::fp8_qdq``: per-128-group FP8 (e4m3) quantize-dequantize of activations.
+
+Contract (``shared/DESIGN.md`` §4), per contiguous group ``a`` of 128 elements of the last dim,
+computed in FP32 from the input::
+
+    amax = max(max|a|, 1e-6)
+    s    = 2^ceil(log2(amax / 448))      scale_fmt "ue8m0" (a power of two, UE8M0-representable)
+         = amax / 448                     scale_fmt "fp32"
+    q    = clamp(a / s, −448, 448) → float8_e4m3fn (round to nearest even)
+    â    = (q.float() · s) → x's dtype
+
+``ceil(log2(·))`` is taken from the FP32 bits (exponent, plus one when the mantissa is non-zero),
+as the serving quantizers do: ``torch.log2`` rounds values just above a power of two down onto it
+and would pick a scale half as large. The op returns ``(â, s)``; s is FP32 ``[..., D/128]`` and not
+differentiable. The backward is the straight-through identity, ``dx = dâ`` in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "fp8_qdq_reference", "validate_fp8_qdq_inputs"]
+
+GROUP = 128
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-6
+SCALE_FMTS = ("ue8m0", "fp32")
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def validate_fp8_qdq_inputs(x, scale_fmt) -> None:
+    """Static checks (scale format, dtype, device, last dim % 128); raise ``ValueError``."""
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"fp8_qdq: scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"fp8_qdq: x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] % GROUP != 0:
+        raise ValueError(
+            f"fp8_qdq: the last dim must be divisible by the group size {GROUP}, got shape {tuple(x.shape)}"
+        )
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"fp8_qdq: x must be on cpu or cuda, got {x.device}")
+
+
+def _pow2_ceil(r: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 r) for positive normal FP32 r, exactly, from the bit pattern."""
+    bits = r.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
+
+
+def fp8_qdq_reference(x, scale_fmt):
+    """Plain-torch kernel (every device): returns (â in x's dtype, FP32 scales ``[..., D/128]``)."""
+    a = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
+    amax = a.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
+    ratio = amax / FP8_MAX
+    s = _pow2_ceil(ratio) if scale_fmt == "ue8m0" else ratio
+    q = (a / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out = (q.float() * s).to(x.dtype).reshape(x.shape)
+    return out.contiguous(), s.squeeze(-1).contiguous()
+
+
+_T = torch.Tensor
+
+
+@torch.library.custom_op("glm53::fp8_qdq", mutates_args=(), device_types=("cpu", "cuda"))
+def fp8_qdq(x: _T, scale_fmt: str) -> tuple[_T, _T]:
+    """FP8 e4m3 quantize-dequantize of ``x [..., D]`` (D % 128 == 0) per 128 group:
+    (â ``[..., D]`` in x's dtype, scales FP32 ``[..., D/128]``). Kernel: :func:`fp8_qdq_reference`."""
+    return fp8_qdq_reference(x, scale_fmt)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.x_dtype = inputs[0].dtype
+
+
+def _backward(ctx, dout, _dscale):
+    if dout is None:
+        return None, None
+    return dout.to(ctx.x_dtype), None  # straight-through estimator
+
+
+fp8_qdq.register_autograd(_backward, setup_context=_setup_context)

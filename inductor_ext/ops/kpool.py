@@ -1,0 +1,390 @@
+"""KPool indexer ops (GLM-5.3 DSA indexer, no RoPE): ``glm53::kpool_project``,
+``glm53::kpool_compress``, ``glm53::kpool_quant_query``, ``glm53::kpool_logits``,
+``glm53::kpool_select`` and the composite :func:`kpool_indexer` the DSA layer calls.
+
+Contract: ``shared/DESIGN.md`` §4 "KPool indexer"; numerics: :mod:`inductor_ext.ops.kpool_reference`.
+Every op has a plain-torch kernel registered for CPU and CUDA (the CUDA Triton/DeepGEMM kernels come
+later and must match it), static output shapes (widths from input shapes and int/str arguments)
+and no host synchronisation, so the whole pipeline traces into one graph and captures into a CUDA
+graph. The indexer is frozen (forward only, integer outputs): no autograd formulas.
+
+Shapes: T tokens of packed documents (``cu_seqlens`` int64 [N+1], batch 1); H indexer heads (32,
+64 or 128); D = 128; P pool size; S = T // P pool slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inductor_ext import workspace
+from inductor_ext.config import active_config
+from inductor_ext.ops import kpool_reference as ref
+
+__all__ = [
+    "kpool_project",
+    "kpool_layout",
+    "kpool_compress",
+    "kpool_quant_query",
+    "kpool_logits",
+    "kpool_select",
+    "kpool_indexer",
+    "validate_cu_seqlens",
+]
+
+_T = torch.Tensor
+_DEVICES = ("cpu", "cuda")
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+TAILS = ("compact", "fixed")
+HEAD_PROJ = ("model", "fp32")
+PRECISIONS = ("bf16", "fp8")
+POOLINGS = ("reference", "fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops (plain-torch kernels on every device)
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("glm53::kpool_project", mutates_args=(), device_types=_DEVICES)
+def _kpool_project_op(
+    x: _T, wk: _T, k_norm_weight: _T, k_norm_bias: _T, weights_proj: _T, compress_gate: _T,
+    eps: float, head_proj: str,
+) -> tuple[_T, _T, _T]:
+    """(k [T,D] x.dtype, gate [T,D] x.dtype, w [T,H] fp32); see :func:`kpool_project`."""
+    with torch.no_grad():
+        return tuple(t.contiguous() for t in ref.project_reference(
+            x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps, head_proj))
+
+
+@torch.library.custom_op("glm53::kpool_compress", mutates_args=(), device_types=_DEVICES)
+def _kpool_compress_op(k: _T, gate: _T, ape: _T, pool_token: _T, mode: str) -> tuple[_T, _T]:
+    """(pool [S,D] bf16|e4m3, scale [S] fp32); see :func:`kpool_compress`."""
+    with torch.no_grad():
+        return tuple(t.contiguous() for t in ref.compress_reference(k, gate, ape, pool_token, mode))
+
+
+@torch.library.custom_op("glm53::kpool_quant_query", mutates_args=(), device_types=_DEVICES)
+def _kpool_quant_query_op(q: _T, w: _T, scale_fmt: str) -> tuple[_T, _T]:
+    """(q8 [T,H,D] e4m3, w_eff [T,H] fp32); see :func:`kpool_quant_query`."""
+    with torch.no_grad():
+        return tuple(t.contiguous() for t in ref.quant_query_reference(q, w, scale_fmt))
+
+
+@torch.library.custom_op("glm53::kpool_logits", mutates_args=(), device_types=_DEVICES)
+def _kpool_logits_op(q: _T, w: _T, pool: _T, pool_scale: _T, precision: str, layout: str) -> _T:
+    """Pool scores [M,S] fp32, a strided view of the padded MQA workspace; see :func:`kpool_logits`."""
+    with torch.no_grad():
+        return ref.logits_reference(q, w, pool, pool_scale, precision, layout)
+
+
+@torch.library.custom_op("glm53::kpool_select", mutates_args=(), device_types=_DEVICES)
+def _kpool_select_op(
+    logits: _T, q_lo: _T, q_n: _T, tail_start: _T, tail_len: _T, topk: int, pool_size: int, tail: str,
+) -> _T:
+    """Selected token ids int32 [M, topk+P-1]; see :func:`kpool_select`."""
+    with torch.no_grad():
+        return ref.select_reference(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail)
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks (static: shapes, dtypes, devices, strings; never data)
+# ---------------------------------------------------------------------------------------------
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"kpool: {name} must be one of {allowed}, got {value!r}")
+
+
+def _tensor(name: str, t, *, dims: int | None = None, dtypes=None, shape=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"kpool: {name} must be a tensor, got {type(t).__name__}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"kpool: {name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"kpool: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"kpool: {name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.device.type not in _DEVICES:
+        raise ValueError(f"kpool: {name} must be on cpu or cuda, got {t.device}")
+
+
+def _same_device(**tensors) -> None:
+    devices = {t.device for t in tensors.values() if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"kpool: {sorted(tensors)} must be on one device, got {sorted(map(str, devices))}")
+
+
+def _pool_geometry(topk, pool_size) -> None:
+    for name, v in (("topk", topk), ("pool_size", pool_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"kpool: {name} must be a positive int, got {v!r}")
+    if topk % pool_size:
+        raise ValueError(f"kpool: topk ({topk}) must be divisible by pool_size ({pool_size})")
+
+
+def _int64_rows(name: str, t, rows) -> None:
+    _tensor(name, t, dims=1, dtypes=(torch.int64,))
+    if t.shape[0] != rows:
+        raise ValueError(f"kpool: {name} must have {rows} rows, got {t.shape[0]}")
+
+
+def _eager() -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def validate_cu_seqlens(cu_seqlens, num_tokens: int) -> None:
+    """``cu_seqlens`` must be int64 [N+1] (N >= 1); in eager mode also non-decreasing from 0 to T
+    (a host-synchronising data check, skipped while tracing or capturing)."""
+    _tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=(torch.int64,))
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"kpool: cu_seqlens must hold N+1 >= 2 offsets, got {cu_seqlens.shape[0]}")
+    if _eager():
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != num_tokens or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"kpool: cu_seqlens must be non-decreasing from 0 to T={num_tokens}, got {cu}")
+
+
+# ---------------------------------------------------------------------------------------------
+# public wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+def kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps=1e-6, head_proj=None):
+    """Key, compression gate and head weights of the indexer, ``glm53::kpool_project``.
+
+    Args:
+        x: hidden states ``[T, hidden]`` (bf16/fp16/fp32, the model dtype).
+        wk: ``[D, hidden]``; compress_gate ``[D, hidden]``; weights_proj ``[H, hidden]`` — x's dtype.
+        k_norm_weight, k_norm_bias: LayerNorm affine ``[D]`` (any float dtype).
+        eps: LayerNorm epsilon (GLM-5.3: 1e-6).
+        head_proj: ``"model"`` (transformers: everything in x's dtype, w = proj(x).float()·H^-0.5)
+            or ``"fp32"`` (LayerNorm in FP32 with one cast back; weights_proj as an IEEE FP32
+            linear); ``None`` takes ``PrecisionConfig.head_proj`` of the active config.
+
+    Returns:
+        ``(k [T,D], gate [T,D])`` in x's dtype and ``w [T,H]`` fp32. Autocast is off inside.
+    """
+    head_proj = active_config().head_proj if head_proj is None else head_proj
+    _choice("head_proj", head_proj, HEAD_PROJ)
+    _tensor("x", x, dims=2, dtypes=_FLOATS)
+    T, hidden = x.shape
+    _tensor("wk", wk, dims=2, dtypes=(x.dtype,))
+    D = wk.shape[0]
+    if D != ref.HEAD_DIM:
+        raise ValueError(f"kpool: index head dim must be {ref.HEAD_DIM}, got wk of shape {tuple(wk.shape)}")
+    _tensor("wk", wk, shape=(D, hidden))
+    _tensor("compress_gate", compress_gate, dtypes=(x.dtype,), shape=(D, hidden))
+    _tensor("weights_proj", weights_proj, dims=2, dtypes=(x.dtype,))
+    if weights_proj.shape[1] != hidden:
+        raise ValueError(f"kpool: weights_proj must be [H, {hidden}], got {tuple(weights_proj.shape)}")
+    _tensor("k_norm_weight", k_norm_weight, dtypes=_FLOATS, shape=(D,))
+    _tensor("k_norm_bias", k_norm_bias, dtypes=_FLOATS, shape=(D,))
+    _same_device(x=x, wk=wk, compress_gate=compress_gate, weights_proj=weights_proj,
+                 k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias)
+    out = torch.ops.glm53.kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
+                                        float(eps), head_proj)
+    return out[0], out[1], out[2]
+
+
+def kpool_layout(cu_seqlens, num_tokens: int, pool_size: int):
+    """Pool slots and per-token causal metadata of packed documents (plain torch, traceable,
+    no host sync); see :func:`inductor_ext.ops.kpool_reference.layout_reference`.
+
+    Returns int64 ``(pool_token [S], q_lo [T], q_n [T], tail_start [T], tail_len [T])`` with
+    S = T // P: pool p of a document covers its tokens P·p .. P·p+P-1; only complete pools exist;
+    pool p is selectable at document position t iff p < (t+1)//P.
+    """
+    _pool_geometry(pool_size, pool_size)
+    validate_cu_seqlens(cu_seqlens, num_tokens)
+    return ref.layout_reference(cu_seqlens, num_tokens, pool_size)
+
+
+def kpool_compress(k, gate, ape, pool_token, *, mode):
+    """Pool compression, ``glm53::kpool_compress``.
+
+    Args:
+        k, gate: ``[T, 128]`` bf16 (normalized keys and compression gate logits).
+        ape: ``[P, 128]`` fp32 (or bf16) absolute position embedding inside a pool.
+        pool_token: ``[S]`` int64 first token of each pool slot, -1 unused (:func:`kpool_layout`).
+        mode: ``"bf16_reference"`` (transformers: probs = softmax_P(gate.float()+ape) rounded to
+            bf16, bf16 products, summed), ``"bf16_fp32"`` (FP32 pooling, one bf16 store),
+            ``"fp8_ue8m0"`` / ``"fp8_fp32"`` (serving: FP32 pooling → bf16 → Hadamard-128 → bf16
+            → e4m3 with a power-of-two or plain FP32 per-pool scale, amax floored at 1e-4).
+
+    Returns:
+        ``(pool [S,128], scale [S] fp32)``: pool bf16 (scale 1) or float8_e4m3fn; unused slots are
+        zeros with scale 0.
+    """
+    _choice("mode", mode, ref.COMPRESS_MODES)
+    _tensor("k", k, dims=2, dtypes=(torch.bfloat16,))
+    _tensor("gate", gate, dtypes=(torch.bfloat16,), shape=k.shape)
+    if k.shape[1] != ref.HEAD_DIM:
+        raise ValueError(f"kpool: k must be [T, {ref.HEAD_DIM}], got {tuple(k.shape)}")
+    _tensor("ape", ape, dims=2, dtypes=_FLOATS)
+    if ape.shape[1] != ref.HEAD_DIM or ape.shape[0] < 1:
+        raise ValueError(f"kpool: ape must be [P, {ref.HEAD_DIM}] with P >= 1, got {tuple(ape.shape)}")
+    _tensor("pool_token", pool_token, dims=1, dtypes=(torch.int64,))
+    _same_device(k=k, gate=gate, ape=ape, pool_token=pool_token)
+    out = torch.ops.glm53.kpool_compress(k, gate, ape, pool_token, mode)
+    return out[0], out[1]
+
+
+def kpool_quant_query(q, w, *, scale_fmt="ue8m0"):
+    """FP8 query, ``glm53::kpool_quant_query``: Hadamard-128 (FP32) → bf16 → per (token, head)
+    e4m3 with scale ``s = max(amax, 1e-4)/448`` (``"ue8m0"``: rounded up to a power of two,
+    ``"fp32"``: as is), folded into the head weight.
+
+    Args: q ``[T, H, 128]`` bf16; w ``[T, H]`` fp32 head weights (already ×H^-0.5).
+    Returns: ``(q8 [T,H,128] float8_e4m3fn, w_eff [T,H] fp32 = w·s·128^-0.5)``.
+    """
+    _choice("scale_fmt", scale_fmt, ref.SCALE_FMTS)
+    _tensor("q", q, dims=3, dtypes=(torch.bfloat16,))
+    if q.shape[2] != ref.HEAD_DIM:
+        raise ValueError(f"kpool: q must be [T, H, {ref.HEAD_DIM}], got {tuple(q.shape)}")
+    _tensor("w", w, dtypes=(torch.float32,), shape=q.shape[:2])
+    _same_device(q=q, w=w)
+    out = torch.ops.glm53.kpool_quant_query(q, w, scale_fmt)
+    return out[0], out[1]
+
+
+def kpool_logits(q, w, pool, pool_scale, *, precision, layout="compact"):
+    """MQA pool scores, ``glm53::kpool_logits``.
+
+    Args:
+        q: ``[M, H, 128]`` bf16 (``"bf16"``) or float8_e4m3fn (``"fp8"``); H in 32, 64, 128.
+        w: ``[M, H]`` fp32 head weights (``"fp8"``: the folded ``w_eff``).
+        pool: ``[S, 128]`` bf16 or float8_e4m3fn (same precision as q); pool_scale ``[S]`` fp32.
+        precision: ``"bf16"``: score = Σ_h w·relu(q·pool·128^-0.5); ``"fp8"``:
+            score = scale[p]·Σ_h w_eff·relu(q8·k8). FP32 accumulation.
+        layout: ``"compact"`` | ``"legacy"``: the padded workspace layout (:mod:`inductor_ext.workspace`).
+
+    Returns:
+        FP32 ``[M, S]``, a view with row stride ``workspace.mqa_logits_stride(S, layout)`` of one
+        storage of ``workspace.mqa_logits_bytes(M, S, H, layout)`` bytes. Not causally masked.
+    """
+    _choice("precision", precision, PRECISIONS)
+    _choice("layout", layout, workspace.LAYOUTS)
+    qdtype = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
+    _tensor("q", q, dims=3, dtypes=(qdtype,))
+    M, H, D = q.shape
+    workspace.mqa_row_block(H)
+    if D != ref.HEAD_DIM:
+        raise ValueError(f"kpool: q must be [M, H, {ref.HEAD_DIM}], got {tuple(q.shape)}")
+    _tensor("w", w, dtypes=(torch.float32,), shape=(M, H))
+    _tensor("pool", pool, dims=2, dtypes=(qdtype,))
+    if pool.shape[1] != D:
+        raise ValueError(f"kpool: pool must be [S, {D}], got {tuple(pool.shape)}")
+    _tensor("pool_scale", pool_scale, dtypes=(torch.float32,), shape=pool.shape[:1])
+    _same_device(q=q, w=w, pool=pool, pool_scale=pool_scale)
+    return torch.ops.glm53.kpool_logits(q, w, pool, pool_scale, precision, layout)
+
+
+def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, tail="compact"):
+    """Causal group selection and token expansion, ``glm53::kpool_select``.
+
+    Args:
+        logits: ``[M, S]`` fp32 pool scores (any strides).
+        q_lo, q_n, tail_start, tail_len: ``[M]`` int64 rows of :func:`kpool_layout`.
+        topk: selected tokens (multiple of pool_size); pool_size: P.
+        tail: ``"compact"`` (tail right after the selected pools, serving order) or ``"fixed"``
+            (tail at columns topk .. topk+P-2).
+
+    Returns:
+        int32 ``[M, topk + P - 1]`` global token ids: the P tokens of each of the top
+        ``min(topk/P, q_n)`` visible pools (descending score), the visible tail tokens, -1 padding.
+    """
+    _choice("tail", tail, TAILS)
+    _pool_geometry(topk, pool_size)
+    _tensor("logits", logits, dims=2, dtypes=(torch.float32,))
+    M = logits.shape[0]
+    for name, t in (("q_lo", q_lo), ("q_n", q_n), ("tail_start", tail_start), ("tail_len", tail_len)):
+        _int64_rows(name, t, M)
+    _same_device(logits=logits, q_lo=q_lo, q_n=q_n, tail_start=tail_start, tail_len=tail_len)
+    return torch.ops.glm53.kpool_select(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail)
+
+
+def kpool_indexer(
+    x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape,
+    cu_seqlens=None, *, topk, pool_size=None, kpool=None, kpool_pooling=None, head_proj=None,
+    mqa_layout=None, logits_budget_mb=None, scale_fmt="ue8m0", tail="compact", eps=1e-6,
+):
+    """The GLM-5.3 KPool indexer: selected token ids per query, one call for the DSA layer.
+
+    Args:
+        x: hidden states ``[T, hidden]`` (model dtype, bf16 for the FP8 path); q_resid ``[T, Qr]``.
+        wq_b: ``[H·128, Qr]``; wk ``[128, hidden]``; k_norm_weight/bias ``[128]``;
+            weights_proj ``[H, hidden]``; compress_gate ``[128, hidden]``; compress_ape ``[P, 128]``
+            (parameter names of transformers ``Glm5NextTextIndexer``). H in 32, 64, 128.
+        cu_seqlens: int64 ``[N+1]`` packed document offsets (``None``: one document of T tokens).
+        topk: selected tokens per query (GLM-5.3: 2048), a multiple of P.
+        pool_size, kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb: the
+            :class:`~inductor_ext.PrecisionConfig` fields as literals; ``None`` takes the active
+            config's value (read while tracing, so it is a constant of the graph).
+        scale_fmt: FP8 scales, ``"ue8m0"`` (powers of two) or ``"fp32"``.
+        tail: ``"compact"`` | ``"fixed"`` (see :func:`kpool_select`).
+
+    Returns:
+        int32 ``[T, topk + P - 1]`` global token ids (see :func:`kpool_select`). Query rows are
+        scored in chunks of ``workspace.score_chunk_rows(T, T//P, H, mqa_layout, budget)`` rows so
+        one chunk's logits workspace fits ``logits_budget_mb`` MiB. No host synchronisation while
+        traced or captured (eager mode checks ``cu_seqlens`` values once). Runs under no_grad.
+        Pools are stored in BF16 (or FP8) whatever the model dtype: an FP32 model's k, gate and q
+        are rounded to BF16 before pooling and scoring.
+    """
+    cfg = active_config()
+    P = cfg.kpool_size if pool_size is None else pool_size
+    kpool = cfg.kpool if kpool is None else kpool
+    kpool_pooling = cfg.kpool_pooling if kpool_pooling is None else kpool_pooling
+    head_proj = cfg.head_proj if head_proj is None else head_proj
+    layout = cfg.mqa_layout if mqa_layout is None else mqa_layout
+    budget_mb = cfg.logits_budget_mb if logits_budget_mb is None else logits_budget_mb
+    _choice("kpool", kpool, PRECISIONS)
+    _choice("kpool_pooling", kpool_pooling, POOLINGS)
+    _choice("mqa_layout", layout, workspace.LAYOUTS)
+    _choice("scale_fmt", scale_fmt, ref.SCALE_FMTS)
+    _choice("tail", tail, TAILS)
+    _pool_geometry(topk, P)
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, int) or budget_mb <= 0:
+        raise ValueError(f"kpool: logits_budget_mb must be a positive int, got {budget_mb!r}")
+    _tensor("x", x, dims=2, dtypes=_FLOATS)
+    T = x.shape[0]
+    if T < 1:
+        raise ValueError("kpool: the indexer needs at least one token (T >= 1)")
+    if kpool == "fp8" and x.dtype != torch.bfloat16:
+        raise ValueError(f"kpool: the fp8 indexer takes bf16 hidden states, got {x.dtype}")
+    H = weights_proj.shape[0] if isinstance(weights_proj, torch.Tensor) else -1
+    workspace.mqa_row_block(H)
+    _tensor("q_resid", q_resid, dims=2, dtypes=(x.dtype,))
+    if q_resid.shape[0] != T:
+        raise ValueError(f"kpool: q_resid must have T={T} rows, got {tuple(q_resid.shape)}")
+    _tensor("wq_b", wq_b, dtypes=(x.dtype,), shape=(H * ref.HEAD_DIM, q_resid.shape[1]))
+    _tensor("compress_ape", compress_ape, dtypes=_FLOATS, shape=(P, ref.HEAD_DIM))
+    if cu_seqlens is None:
+        # built on the device (no host-to-device copy, so it is safe inside CUDA-graph capture)
+        cu_seqlens = torch.arange(2, dtype=torch.int64, device=x.device) * T
+    _same_device(x=x, q_resid=q_resid, wq_b=wq_b, compress_ape=compress_ape, cu_seqlens=cu_seqlens)
+
+    with torch.no_grad():  # frozen indexer: integer outputs, no autograd graph
+        k, gate, w = kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
+                                   eps=eps, head_proj=head_proj)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            q = torch.nn.functional.linear(q_resid, wq_b).view(T, H, ref.HEAD_DIM)
+        pool_token, q_lo, q_n, tail_start, tail_len = kpool_layout(cu_seqlens, T, P)
+        if kpool == "bf16":
+            mode = "bf16_reference" if kpool_pooling == "reference" else "bf16_fp32"
+            k, gate = k.to(torch.bfloat16), gate.to(torch.bfloat16)
+            q = q.to(torch.bfloat16)
+            pool, pool_scale = kpool_compress(k, gate, compress_ape, pool_token, mode=mode)
+        else:
+            pool, pool_scale = kpool_compress(k, gate, compress_ape, pool_token, mode=f"fp8_{scale_fmt}")
+            q, w = kpool_quant_query(q, w, scale_fmt=scale_fmt)
+        plan = workspace.LogitsPlan(T, T // P, H, layout, budget_mb * 2**20)
+        parts = []
+        for s, e in plan.chunks:
+            logits = kpool_logits(q[s:e], w[s:e], pool, pool_scale, precision=kpool, layout=layout)
+            parts.append(kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
+                                      topk=topk, pool_size=P, tail=tail))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)

@@ -1,0 +1,95 @@
+"""``glm53::layer_norm_fp32``: LayerNorm over the last dim computed in FP32, output in x's dtype.
+
+Contract (``shared/DESIGN.md`` §4): ``x̂ = (x.float() − μ) / sqrt(σ² + eps)`` with the biased
+variance, ``y = x̂ · weight.float() + bias.float()`` (each optional), one rounding to x's dtype.
+Autocast is off inside. The backward recomputes μ and rstd in FP32 and returns every gradient in
+its input's dtype (one rounding each).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["layer_norm_fp32_reference", "validate_layer_norm_fp32_inputs"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def validate_layer_norm_fp32_inputs(x, weight, bias, eps) -> None:
+    """Static checks (shapes, dtypes, devices, eps); raise ``ValueError`` naming the rule."""
+    if x.dim() < 1:
+        raise ValueError("layer_norm_fp32: x must have at least one dimension [..., D]")
+    tensors = {"x": x}
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if tuple(t.shape) != (x.shape[-1],):
+            raise ValueError(f"layer_norm_fp32: {name} must be [D={x.shape[-1]}], got {tuple(t.shape)}")
+        tensors[name] = t
+    for name, t in tensors.items():
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"layer_norm_fp32: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if not eps > 0:
+        raise ValueError(f"layer_norm_fp32: eps must be > 0, got {eps}")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"layer_norm_fp32: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"layer_norm_fp32: tensors must be on cpu or cuda, got {x.device}")
+
+
+def _normalize(xf, eps):
+    mean = xf.mean(-1, keepdim=True)
+    xc = xf - mean
+    rstd = torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps)
+    return xc * rstd, rstd
+
+
+def layer_norm_fp32_reference(x, weight, bias, eps):
+    """Plain-torch kernel (every device): FP32 statistics and affine, one rounding to x's dtype."""
+    with torch.autocast(x.device.type, enabled=False):
+        y, _ = _normalize(x.float(), eps)
+        if weight is not None:
+            y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+    return y.to(x.dtype).contiguous()
+
+
+_T = torch.Tensor
+
+
+@torch.library.custom_op("glm53::layer_norm_fp32", mutates_args=(), device_types=("cpu", "cuda"))
+def layer_norm_fp32(x: _T, weight: _T | None, bias: _T | None, eps: float) -> _T:
+    """LayerNorm of ``x [..., D]`` with optional ``weight [D]``, ``bias [D]``, computed in FP32;
+    output ``[..., D]`` in x's dtype. Kernel: :func:`layer_norm_fp32_reference`."""
+    return layer_norm_fp32_reference(x, weight, bias, eps)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.eps = eps
+    ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx = dw = db = None
+    with torch.autocast(x.device.type, enabled=False):
+        xhat, rstd = _normalize(x.float(), ctx.eps)
+        dyf = dy.float()
+        rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  (sum(()) would reduce every dim)
+        if ctx.has_weight and ctx.needs_input_grad[1]:
+            dw = rows(dyf * xhat).sum(0).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = rows(dyf).sum(0).to(ctx.bias_dtype)
+        if ctx.needs_input_grad[0]:
+            g = dyf * weight.float() if ctx.has_weight else dyf
+            dx = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+            dx = dx.to(x.dtype)
+    return dx, dw, db, None
+
+
+layer_norm_fp32.register_autograd(_backward, setup_context=_setup_context)
