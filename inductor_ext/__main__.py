@@ -20,11 +20,11 @@ def _progress():
     return lambda msg: tqdm.write(f"... {msg}", file=sys.stderr)
 
 
-def _device(arg: str | None) -> str:
+def _device(arg: str | None, hint: str) -> str:
     if arg is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if arg == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda: no CUDA device is visible; use --device cpu")
+        raise ValueError(f"no CUDA device is visible; {hint}")
     return arg
 
 
@@ -43,6 +43,15 @@ def _doctor() -> dict:
 
 
 def main(argv=None) -> int:
+    """Parse ``argv`` and run the command; a usage or availability error prints one line, exit 2."""
+    try:
+        return _run(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(argv) -> int:
     parser = argparse.ArgumentParser(prog="python -m inductor_ext", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="accuracy, compile and (CUDA) timing report")
@@ -50,7 +59,7 @@ def main(argv=None) -> int:
     rep.add_argument("--device", choices=("cpu", "cuda"))
     rep.add_argument("--tokens", type=int, nargs="+", help="token counts of the CUDA timing (default 129 2048 16384)")
     ben = sub.add_parser("bench", help="CUDA-graph replay timing")
-    ben.add_argument("what", choices=("kda", "all"))
+    ben.add_argument("what", choices=("kda", "kpool", "all"))
     ben.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
     ben.add_argument("--tokens", type=int, nargs="+")
     ben.add_argument("--samples", type=int, default=50)
@@ -64,16 +73,25 @@ def main(argv=None) -> int:
     if args.command == "report":
         from inductor_ext.report import run_report
 
-        run_report(args.out, _device(args.device), bench_tokens=args.tokens, progress=progress)
+        run_report(args.out, _device(args.device, "use --device cpu"), bench_tokens=args.tokens, progress=progress)
         print((args.out / "report.md").read_text())
         print(f"wrote {args.out}/report.json, report.md, report.png")
         return 0
-    _device("cuda")
+    _device("cuda", "bench times CUDA-graph replays; run it on a GPU machine, or `report` on this one")
     from inductor_ext.bench import DEFAULT_TOKENS, bench_kda, format_kda
+    from inductor_ext.bench_kpool import bench_kpool, format_kpool
 
-    result = bench_kda(tokens=args.tokens or DEFAULT_TOKENS, samples=args.samples, out=args.out, progress=progress)
-    print(format_kda(result))
-    print(f"wrote {args.out}/bench_kda.json")
+    results = {}
+    if args.what in ("kda", "all"):
+        results["kda"] = bench_kda(tokens=args.tokens or DEFAULT_TOKENS, samples=args.samples, progress=progress)
+        print(format_kda(results["kda"]))
+    if args.what in ("kpool", "all"):
+        kw = {"tokens": args.tokens[0]} if args.tokens else {}
+        results["kpool"] = bench_kpool(samples=args.samples, progress=progress, **kw)
+        print(format_kpool(results["kpool"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}/bench.json")
     return 0
 
 

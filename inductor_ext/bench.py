@@ -8,9 +8,6 @@ for a graph that holds the forward and ``torch.autograd.grad`` of all five input
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import torch
 
 from inductor_ext import backends, timing
@@ -44,9 +41,8 @@ def _peers():
     return peers
 
 
-def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, out: pathlib.Path | None = None,
-              progress=None) -> dict:
-    """Time every peer at every token count; returns (and writes to ``out/bench_kda.json``) the table."""
+def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, progress=None) -> dict:
+    """Time every peer at every token count; returns the table (``rows``) with device and versions."""
     if not torch.cuda.is_available():
         raise ValueError("bench kda needs a CUDA device")
     rows = []
@@ -76,12 +72,8 @@ def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, ou
             rows.append(row)
         del inputs, do
         torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "fla": backends.version("fla"), "method": "CUDA-graph replay, CUDA events", "rows": rows}
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_kda.json").write_text(json.dumps(result, indent=2))
-    return result
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "fla": backends.version("fla"), "method": "CUDA-graph replay, CUDA events", "rows": rows}
 
 
 def format_kda(result: dict) -> str:
