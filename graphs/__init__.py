@@ -1,3 +1,23 @@
-"""GLM-5.3 layers and the reduced model, written to compile whole (issue: layers; not built yet)."""
+"""GLM-5.3 layers and the reduced causal LM, written to compile into one graph.
 
-__all__: list[str] = []
+Public surface::
+
+    from graphs import GLM53Config, GLM53Model
+    cfg = GLM53Config.tiny()                   # .h200(), .from_hf(hf_text_config)
+    model = GLM53Model(cfg, precision=PrecisionConfig.serving_aligned()).to_dtype(torch.bfloat16)
+    model = GLM53Model.from_hf(hf_model_or_state_dict, config=None, precision=None)
+    torch.compile(model, fullgraph=True)(input_ids, cu_seqlens)
+
+``graphs.signature`` records the op sequence of the compiled graphs; the recorded signatures live
+in ``graphs/signatures/``.
+"""
+
+from graphs.config import GLM53Config
+from graphs.dsa_layer import IndexedAttention, Indexer
+from graphs.kda_layer import LinearAttention
+from graphs.model import DecoderLayer, GLM53Model
+from graphs.modules import MLP, HyperConnection, MoE, RMSNorm
+from graphs.sparse_attention import sparse_attention
+
+__all__ = ["GLM53Config", "GLM53Model", "DecoderLayer", "LinearAttention", "IndexedAttention", "Indexer",
+           "MLP", "MoE", "HyperConnection", "RMSNorm", "sparse_attention"]

@@ -56,8 +56,10 @@ def is_enabled() -> bool:
 def enable() -> None:
     """Install the plugin into Inductor; idempotent. Call once before ``torch.compile``."""
     import inductor_ext.ops  # noqa: F401  (defines the ops and their fakes)
+    import lowerings
 
     if is_enabled():
+        lowerings.register_all()  # idempotent: Inductor-only decompositions of the fusible ops
         return
     current = inductor_config.post_grad_custom_post_pass
     if current is not None and not isinstance(current, CustomGraphPass):
@@ -66,3 +68,4 @@ def enable() -> None:
             "cache it only as a CustomGraphPass with a uuid(). Wrap it before calling enable()."
         )
     inductor_config.post_grad_custom_post_pass = GLM53GraphPass(current)
+    lowerings.register_all()

@@ -1,2 +1,36 @@
 """Inductor lowering / decomposition rules for the ``glm53`` ops that should fuse with their
-neighbours. Every private ``torch._inductor`` import lives in :mod:`lowerings._compat`."""
+neighbours. Every private ``torch._inductor`` import lives in :mod:`lowerings._compat`.
+
+Mechanism: each op family's module maps the op's ``OpOverload`` to a decomposition into ATen
+ops; :func:`register_all` (called by ``inductor_ext.enable()``) adds them to *Inductor's*
+decomposition table, which AOTAutograd applies only when the backend is ``"inductor"``. Eager
+and ``aot_eager`` therefore keep the reference kernels, and Inductor fuses the decomposed work
+into the kernels around it. The ops' ``register_autograd`` backward formulas are plain torch,
+so their backward graphs are ATen ops already and fuse the same way. Every rounding point of a
+contract is kept with integer arithmetic on the FP32 bits (:mod:`lowerings._rounding`), which
+fusion cannot elide, for BF16, FP16 and FP32 alike. The ops that must stay opaque (KDA chunk, the KPool scorer) carry layout tags on
+their ``torch.library.custom_op`` definitions instead.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register_all", "decompositions"]
+
+
+def decompositions() -> dict:
+    """Every decomposition of this package: ``{OpOverload: fn}`` (defines the ops on import)."""
+    import inductor_ext.ops  # noqa: F401  (defines the glm53 ops)
+    from lowerings import fp8_qdq, fp32_linear, layer_norm_fp32, mhc, swiglu
+
+    table = {}
+    for module in (fp8_qdq, swiglu, fp32_linear, layer_norm_fp32, mhc):
+        table.update(module.DECOMPOSITIONS)
+    return table
+
+
+def register_all() -> None:
+    """Register every decomposition in Inductor's table; idempotent."""
+    from lowerings._compat import register_inductor_decomposition
+
+    for op, fn in decompositions().items():
+        register_inductor_decomposition(op, fn)

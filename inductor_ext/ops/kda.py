@@ -277,7 +277,8 @@ def _kda_chunk_bwd_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_s
     return tuple(gr.to(x.dtype).contiguous() for gr, x in zip(grads, (q, k, v, g, beta, grads[5])))
 
 
-@torch.library.custom_op("glm53::kda_chunk", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("glm53::kda_chunk", mutates_args=(), device_types="cpu",
+                         tags=(torch.Tag.needs_contiguous_strides,))
 def kda_chunk(
     q: _T, k: _T, v: _T, g: _T, beta: _T, scale: float,
     initial_state: _T | None, cu_seqlens: _T | None, precision: str,
@@ -287,7 +288,8 @@ def kda_chunk(
     return _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
 
 
-@torch.library.custom_op("glm53::kda_chunk_bwd", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("glm53::kda_chunk_bwd", mutates_args=(), device_types="cpu",
+                         tags=(torch.Tag.needs_contiguous_strides,))
 def kda_chunk_bwd(
     q: _T, k: _T, v: _T, g: _T, beta: _T, scale: float,
     initial_state: _T | None, cu_seqlens: _T | None, precision: str,

@@ -3,9 +3,9 @@
 ``glm53::kpool_select`` and the composite :func:`kpool_indexer` the DSA layer calls.
 
 Contract: ``shared/DESIGN.md`` §4 "KPool indexer"; numerics: :mod:`inductor_ext.ops.kpool_reference`.
-Every op has a plain-torch kernel registered for CPU and CUDA (the CUDA Triton/DeepGEMM kernels come
-later and must match it), static output shapes (widths from input shapes and int/str arguments)
-and no host synchronisation, so the whole pipeline traces into one graph and captures into a CUDA
+Every op has a plain-torch kernel (the CPU kernel, and the CUDA one of ``kpool_project``); compress,
+query quantization, scoring and selection register Triton kernels for CUDA (below) that match it.
+Static output shapes (widths from input shapes and int/str arguments) and no host synchronisation, so the whole pipeline traces into one graph and captures into a CUDA
 graph. The indexer is frozen (forward only, integer outputs): no autograd formulas.
 
 Shapes: T tokens of packed documents (``cu_seqlens`` int64 [N+1], batch 1); H indexer heads (32,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext import workspace
+from inductor_ext import backends, workspace
 from inductor_ext.config import active_config
 from inductor_ext.ops import kpool_reference as ref
 
@@ -56,34 +56,59 @@ def _kpool_project_op(
             x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps, head_proj))
 
 
-@torch.library.custom_op("glm53::kpool_compress", mutates_args=(), device_types=_DEVICES)
+@torch.library.custom_op("glm53::kpool_compress", mutates_args=(), device_types="cpu")
 def _kpool_compress_op(k: _T, gate: _T, ape: _T, pool_token: _T, mode: str) -> tuple[_T, _T]:
     """(pool [S,D] bf16|e4m3, scale [S] fp32); see :func:`kpool_compress`."""
     with torch.no_grad():
         return tuple(t.contiguous() for t in ref.compress_reference(k, gate, ape, pool_token, mode))
 
 
-@torch.library.custom_op("glm53::kpool_quant_query", mutates_args=(), device_types=_DEVICES)
+@torch.library.custom_op("glm53::kpool_quant_query", mutates_args=(), device_types="cpu")
 def _kpool_quant_query_op(q: _T, w: _T, scale_fmt: str) -> tuple[_T, _T]:
     """(q8 [T,H,D] e4m3, w_eff [T,H] fp32); see :func:`kpool_quant_query`."""
     with torch.no_grad():
         return tuple(t.contiguous() for t in ref.quant_query_reference(q, w, scale_fmt))
 
 
-@torch.library.custom_op("glm53::kpool_logits", mutates_args=(), device_types=_DEVICES)
+@torch.library.custom_op("glm53::kpool_logits", mutates_args=(), device_types="cpu",
+                         tags=(torch.Tag.needs_contiguous_strides,))
 def _kpool_logits_op(q: _T, w: _T, pool: _T, pool_scale: _T, precision: str, layout: str) -> _T:
     """Pool scores [M,S] fp32, a strided view of the padded MQA workspace; see :func:`kpool_logits`."""
     with torch.no_grad():
         return ref.logits_reference(q, w, pool, pool_scale, precision, layout)
 
 
-@torch.library.custom_op("glm53::kpool_select", mutates_args=(), device_types=_DEVICES)
+@torch.library.custom_op("glm53::kpool_select", mutates_args=(), device_types="cpu")
 def _kpool_select_op(
     logits: _T, q_lo: _T, q_n: _T, tail_start: _T, tail_len: _T, topk: int, pool_size: int, tail: str,
 ) -> _T:
     """Selected token ids int32 [M, topk+P-1]; see :func:`kpool_select`."""
     with torch.no_grad():
         return ref.select_reference(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail)
+
+
+# CUDA kernels: Triton (inductor_ext/kernels/kpool_*_triton.py); without triton the plain-torch
+# reference runs on CUDA too, logged once per op.
+_FALLBACK = "the plain-torch reference kernel"
+
+
+def _register_cuda(op, name: str, reference, triton_entry: str) -> None:
+    def kernel(*args):
+        if backends.load("triton", f"glm53::{name}", fallback=_FALLBACK) is None:
+            with torch.no_grad():
+                out = reference(*args)
+            return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out
+        from inductor_ext.kernels import kpool_triton
+
+        return getattr(kpool_triton, triton_entry)(*args)
+
+    op.register_kernel("cuda")(kernel)
+
+
+_register_cuda(_kpool_compress_op, "kpool_compress", ref.compress_reference, "kpool_compress_fwd")
+_register_cuda(_kpool_quant_query_op, "kpool_quant_query", ref.quant_query_reference, "kpool_quant_query_fwd")
+_register_cuda(_kpool_logits_op, "kpool_logits", ref.logits_reference, "kpool_logits_fwd")
+_register_cuda(_kpool_select_op, "kpool_select", ref.select_reference, "kpool_select_fwd")
 
 
 # ---------------------------------------------------------------------------------------------

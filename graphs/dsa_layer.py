@@ -1,0 +1,84 @@
+"""DSA token mixer of GLM-5.3's indexed-attention layers: MLA without RoPE + the KPool indexer +
+sparse attention over the selected token ids.
+
+q_a → RMSNorm → q_b; kv_a → RMSNorm → kv_b (keys and values); the indexer
+(``ops.kpool_indexer``, precision from ``PrecisionConfig.kpool*`` / ``head_proj`` /
+``mqa_layout`` / ``logits_budget_mb``) picks ``index_topk`` tokens per query in pools of
+``index_kpool`` plus the visible tail; :func:`graphs.sparse_attention.sparse_attention` attends
+over them. A ``"shared"`` layer has no indexer and reuses the previous layer's ids. Parameter names
+follow transformers ``Glm5NextTextAttention`` / ``Glm5NextTextIndexer``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphs.config import GLM53Config
+from graphs.modules import RMSNorm
+from graphs.sparse_attention import sparse_attention
+from inductor_ext import PrecisionConfig, ops
+
+__all__ = ["Indexer", "IndexedAttention"]
+
+
+class Indexer(nn.Module):
+    """KPool indexer parameters (frozen: it returns integer ids, no gradients)."""
+
+    def __init__(self, config: GLM53Config):
+        super().__init__()
+        D, Hd, H = config.hidden_size, config.index_head_dim, config.index_n_heads
+        self.wq_b = nn.Linear(config.q_lora_rank, H * Hd, bias=False)
+        self.wk = nn.Linear(D, Hd, bias=False)
+        self.k_norm = nn.LayerNorm(Hd, eps=1e-6)
+        self.weights_proj = nn.Linear(D, H, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.randn(config.index_kpool, Hd))
+        self.index_kpool_compress_gate = nn.Parameter(torch.randn(Hd, D) * 0.05)
+        self.topk, self.pool = config.index_topk, config.index_kpool
+        self.select_tail = config.index_kpool_always_select_tail
+
+    def forward(self, x, q_resid, cu_seqlens, prec: PrecisionConfig) -> torch.Tensor:
+        """x ``[T, D]``, q_resid ``[T, q_lora_rank]`` → int32 ``[T, topk (+ pool-1 with the tail)]``."""
+        ids = ops.kpool_indexer(
+            x, q_resid, self.wq_b.weight, self.wk.weight, self.k_norm.weight, self.k_norm.bias,
+            self.weights_proj.weight, self.index_kpool_compress_gate, self.index_kpool_compress_ape, cu_seqlens,
+            topk=self.topk, pool_size=self.pool, kpool=prec.kpool, kpool_pooling=prec.kpool_pooling,
+            head_proj=prec.head_proj, mqa_layout=prec.mqa_layout, logits_budget_mb=prec.logits_budget_mb,
+            tail="compact" if self.select_tail else "fixed",
+        )
+        return ids if self.select_tail else ids[:, : self.topk]
+
+
+class IndexedAttention(nn.Module):
+    """MLA (NoPE) with DSA sparse attention: ``[T, hidden]`` → (``[T, hidden]``, token ids)."""
+
+    def __init__(self, config: GLM53Config, layer_idx: int):
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.num_heads, self.nope, self.v_dim = H, config.qk_nope_head_dim, config.v_head_dim
+        bias = config.attention_bias
+        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.nope, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, config.kv_lora_rank, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, D, bias=bias)
+        self.shared = config.indexer_types[layer_idx] == "shared"
+        self.indexer = None if self.shared else Indexer(config)
+        self.scale, self.impl = self.nope**-0.5, config.attn_impl
+
+    def forward(self, x, cu_seqlens, prev_ids, prec: PrecisionConfig):
+        T = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(T, self.num_heads, self.nope)
+        kv = self.kv_b_proj(self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))).view(T, self.num_heads, -1)
+        k, v = kv.split([self.nope, self.v_dim], dim=-1)
+        if self.indexer is not None:
+            ids = self.indexer(x, q_resid, cu_seqlens, prec)
+        elif prev_ids is None:
+            raise ValueError("IndexedAttention: a shared-indexer layer needs the previous DSA layer's token ids")
+        else:
+            ids = prev_ids
+        out = sparse_attention(q, k, v, ids, scale=self.scale, impl=self.impl)
+        return self.o_proj(out.reshape(T, -1)), ids

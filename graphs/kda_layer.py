@@ -1,0 +1,103 @@
+"""KDA (Kimi delta attention) token mixer of GLM-5.3's linear-attention layers.
+
+q/k/v projections → depthwise causal conv (kernel 4, FP32, restarted at every document) + SiLU →
+``glm53::kda_chunk`` (precision ``PrecisionConfig.kda``) with the forget gate
+``lower_bound·σ(exp(A_log)·(f_b(f_a x) + dt_bias))`` and β = σ(b_proj x) → gated RMSNorm (sigmoid
+gate from g_b(g_a x)) → o_proj. Parameter names follow transformers ``Glm5NextTextLinearAttention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphs.config import GLM53Config
+from inductor_ext import PrecisionConfig, ops
+
+__all__ = ["ForgetGate", "GatedRMSNorm", "LinearAttention", "document_positions"]
+
+
+def document_positions(cu_seqlens: torch.Tensor | None, num_tokens: int, device) -> torch.Tensor:
+    """Position of every packed token inside its document, int64 ``[T]`` (no host sync)."""
+    tok = torch.arange(num_tokens, device=device, dtype=torch.int64)
+    if cu_seqlens is None:
+        return tok
+    doc = torch.searchsorted(cu_seqlens[1:], tok, right=True).clamp_max(cu_seqlens.shape[0] - 2)
+    return tok - cu_seqlens[doc]
+
+
+class ForgetGate(nn.Module):
+    """Per-channel log-decay g ``[T, H, K]`` FP32 (≤ 0)."""
+
+    def __init__(self, config: GLM53Config):
+        super().__init__()
+        H, K = config.linear_num_heads, config.linear_head_dim
+        self.f_a_proj = nn.Linear(config.hidden_size, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(H * K, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.lower_bound, self.head_dim = config.linear_lower_bound, K
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(x.shape[0], -1, self.head_dim)
+        rate = self.A_log.float().exp()[:, None]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * g)
+        return -rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight · rmsnorm(x) · σ(gate)`` in FP32, rounded once to x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * xf * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class LinearAttention(nn.Module):
+    """KDA token mixer: ``[T, hidden]`` → ``[T, hidden]`` for packed documents (``cu_seqlens``)."""
+
+    def __init__(self, config: GLM53Config):
+        super().__init__()
+        D, H, K = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+        self.num_heads, self.head_dim, self.kernel = H, K, config.linear_conv_kernel_dim
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.conv1d = nn.Conv1d(3 * H * K, 3 * H * K, self.kernel, groups=3 * H * K, bias=False,
+                                padding=self.kernel - 1, dtype=torch.float32)
+        self.forget_gate = ForgetGate(config)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_a_proj = nn.Linear(D, K, bias=False)
+        self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = GatedRMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def short_conv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + SiLU in FP32 that never reads across a document start:
+        ``out[t] = silu(Σ_s w[K-1-s] · x[t-s] · [pos_t ≥ s])``, rounded to x's dtype."""
+        xf, w = x.float(), self.conv1d.weight.float()[:, 0, :]  # [T, C], [C, K]
+        out = xf * w[:, self.kernel - 1]
+        for s in range(1, self.kernel):
+            shifted = F.pad(xf[:-s], (0, 0, s, 0)) if s < x.shape[0] else torch.zeros_like(xf)
+            out = out + torch.where((pos >= s)[:, None], shifted, 0.0) * w[:, self.kernel - 1 - s]
+        return F.silu(out).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, prec: PrecisionConfig) -> torch.Tensor:
+        T = x.shape[0]
+        pos = document_positions(cu_seqlens, T, x.device)
+        qkv = self.short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), pos)
+        q, k, v = (t.reshape(1, T, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
+        g = self.forget_gate(x).unsqueeze(0)
+        beta = torch.sigmoid(self.b_proj(x)).unsqueeze(0)
+        o, _ = ops.kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens, precision=prec.kda)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.num_heads, self.head_dim)
+        o = self.o_norm(o[0], gate).reshape(T, -1)
+        return self.o_proj(o)

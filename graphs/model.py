@@ -1,0 +1,140 @@
+"""The GLM-5.3 decoder layer and the reduced causal LM, written to compile into one graph.
+
+Decoder layer (``[T, N, D]`` mHC streams of packed tokens)::
+
+    mHC-pre(attn) → RMSNorm → {KDA | MLA + KPool indexer + sparse attention} → mHC-post
+    mHC-pre(ffn)  → RMSNorm → {SwiGLU MLP | MoE}                            → mHC-post
+
+Model: embedding → N copies of the stream → layers → mean over the streams → RMSNorm → lm_head.
+The precision is the :class:`~inductor_ext.PrecisionConfig` the model holds (``precision=``), else
+the active one (``inductor_ext.precision(cfg)``); it is read while Dynamo traces and reaches the ops
+as string literals, so a config change recompiles once and the same config never does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphs.config import GLM53Config
+from graphs.dsa_layer import IndexedAttention
+from graphs.kda_layer import LinearAttention
+from graphs.modules import MLP, HyperConnection, MoE, RMSNorm, cast_model, resolve_precision
+from inductor_ext import PrecisionConfig, ops
+
+__all__ = ["DecoderLayer", "GLM53Model", "check_tokens"]
+
+
+def check_tokens(num_tokens: int, cu_seqlens: torch.Tensor | None, device) -> None:
+    """Static checks of packed-document metadata; raise ``ValueError`` naming the constraint."""
+    if num_tokens < 1:
+        raise ValueError("GLM53: need at least one token")
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int64 or cu_seqlens.dim() != 1 \
+            or cu_seqlens.shape[0] < 2:
+        raise ValueError("GLM53: cu_seqlens must be a 1-D int64 tensor of N+1 >= 2 document offsets")
+    if cu_seqlens.device != device:
+        raise ValueError(f"GLM53: cu_seqlens must be on {device}, got {cu_seqlens.device}")
+
+
+class DecoderLayer(nn.Module):
+    """One GLM-5.3 layer; attention kind from ``config.layer_types[layer_idx]``, FFN kind from
+    ``config.mlp_layer_types[layer_idx]``. Names follow transformers ``Glm5NextTextDecoderLayer``."""
+
+    def __init__(self, config: GLM53Config, layer_idx: int, precision: PrecisionConfig | None = None):
+        super().__init__()
+        self.kind = config.layer_types[layer_idx]
+        self.self_attn = (LinearAttention(config) if self.kind == "linear_attention"
+                          else IndexedAttention(config, layer_idx))
+        self.mlp = MoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+        self.precision = precision
+        self.hc_mult, self.hidden = config.hc_mult, config.hidden_size
+
+    def forward(self, streams, cu_seqlens=None, prev_ids=None, precision: PrecisionConfig | None = None):
+        """streams ``[T, N, D]`` → (streams ``[T, N, D]``, token ids ``[T, W]`` int32 of a DSA layer
+        or None). ``precision``: argument, else the layer's, else the active config."""
+        prec = resolve_precision(precision if precision is not None else self.precision)
+        if streams.dim() != 3 or tuple(streams.shape[1:]) != (self.hc_mult, self.hidden):
+            raise ValueError(f"DecoderLayer: streams must be [T, {self.hc_mult}, {self.hidden}], "
+                             f"got {tuple(streams.shape)}")
+        check_tokens(streams.shape[0], cu_seqlens, streams.device)
+        x, post, comb = self.attn_hc(streams)
+        x = self.input_layernorm(x)
+        ids = None
+        if self.kind == "linear_attention":
+            x = self.self_attn(x, cu_seqlens, prec)
+        else:
+            x, ids = self.self_attn(x, cu_seqlens, prev_ids, prec)
+        streams = ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post)
+        x, post, comb = self.ffn_hc(streams)
+        x = self.mlp(self.post_attention_layernorm(x), prec)
+        return ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post), ids
+
+
+class GLM53Model(nn.Module):
+    """Reduced GLM-5.3 causal LM (text only, no cache): ``input_ids`` → logits.
+
+    Parameter names are transformers ``Glm5NextTextModel``'s plus ``lm_head`` (see
+    :meth:`from_hf`). ``precision``: the :class:`~inductor_ext.PrecisionConfig` used for every
+    layer; ``None`` reads the active config while tracing.
+    """
+
+    def __init__(self, config: GLM53Config, precision: PrecisionConfig | None = None):
+        super().__init__()
+        if not isinstance(config, GLM53Config):
+            raise ValueError(f"GLM53Model: config must be a GLM53Config, got {type(config).__name__}")
+        self.config = config
+        self.precision = None if precision is None else resolve_precision(precision)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def to_dtype(self, dtype: torch.dtype) -> GLM53Model:
+        """Cast to ``dtype`` keeping transformers' FP32 parameters (router, conv, gates, mHC) FP32."""
+        return cast_model(self, dtype)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                output_hidden_states: bool = False):
+        """Logits of packed documents.
+
+        Args:
+            input_ids: int64 ``[T]`` or ``[1, T]`` (batch 1: documents are packed).
+            cu_seqlens: optional int64 ``[N+1]`` document offsets (0 … T); None = one document.
+            output_hidden_states: also return the mHC streams ``[T, N, D]`` after every layer.
+
+        Returns:
+            logits ``[..., T, vocab]`` in the model dtype (leading dims of ``input_ids``), or
+            ``(logits, tuple_of_streams)``.
+        """
+        if input_ids.dtype != torch.int64 or input_ids.dim() not in (1, 2) or \
+                (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+            raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got "
+                             f"{input_ids.dtype} {tuple(input_ids.shape)}")
+        prec = resolve_precision(self.precision)
+        tokens = input_ids.reshape(-1)
+        check_tokens(tokens.shape[0], cu_seqlens, tokens.device)
+        x = self.embed_tokens(tokens)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        hidden, ids = [], None
+        for layer in self.layers:
+            streams, ids = layer(streams, cu_seqlens, ids, prec)
+            hidden.append(streams)
+        logits = self.lm_head(self.norm(streams.mean(dim=1)))
+        logits = logits.view(*input_ids.shape, -1)
+        return (logits, tuple(hidden)) if output_hidden_states else logits
+
+    @classmethod
+    def from_hf(cls, hf_model_or_state_dict, config=None, precision: PrecisionConfig | None = None) -> GLM53Model:
+        """Build from a transformers ``glm5_next`` model (``Glm5NextForConditionalGeneration``,
+        ``Glm5NextModel`` or ``Glm5NextTextModel``) or its state dict; see :func:`graphs.hf.load_hf`."""
+        from graphs.hf import load_hf
+
+        return load_hf(cls, hf_model_or_state_dict, config=config, precision=precision)

@@ -1,0 +1,163 @@
+"""Building blocks shared by the GLM-5.3 decoder layers: RMSNorm, mHC, SwiGLU MLP and MoE.
+
+Parameter names follow transformers ``glm5_next`` (``Glm5NextTextRMSNorm``, ``...HyperConnection``,
+``...MLP``, ``...MoE``) so a state dict loads directly. Every forward takes the resolved
+:class:`~inductor_ext.PrecisionConfig` and passes its fields to the ``glm53`` ops as literals.
+Tokens are packed: activations are ``[T, D]``, mHC streams ``[T, N, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphs.config import GLM53Config
+from inductor_ext import PrecisionConfig, active_config, ops
+
+__all__ = ["resolve_precision", "RMSNorm", "HyperConnection", "MLP", "TopkRouter", "Experts", "MoE",
+           "FP32_PARAMS", "cast_model"]
+
+# parameters transformers keeps in FP32 whatever the model dtype (``_keep_in_fp32_modules_strict``)
+FP32_PARAMS = ("e_score_correction_bias", "gate.weight", "conv1d", "dt_bias", "A_log",
+               "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale")
+
+
+def resolve_precision(precision: PrecisionConfig | None) -> PrecisionConfig:
+    """``precision`` itself, or the active config (read while tracing: a guarded constant)."""
+    if precision is None:
+        return active_config()
+    if not isinstance(precision, PrecisionConfig):
+        raise ValueError(f"precision must be a PrecisionConfig or None, got {type(precision).__name__}")
+    return precision
+
+
+def cast_model(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast parameters and floating buffers to ``dtype`` except :data:`FP32_PARAMS` (kept FP32,
+    as transformers loads them). Returns ``module``."""
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.is_floating_point():
+            keep = any(key in name for key in FP32_PARAMS)
+            t.data = t.data.to(torch.float32 if keep else dtype)
+    return module
+
+
+class RMSNorm(nn.Module):
+    """``weight · (x / rms(x))``: normalized in FP32, rounded to x's dtype, then scaled (transformers)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(x.dtype)
+
+
+class HyperConnection(nn.Module):
+    """mHC coefficients (``glm53::mhc_pre``: stream RMSNorm, projection, Sinkhorn) for N streams."""
+
+    def __init__(self, config: GLM53Config):
+        super().__init__()
+        n, width = config.hc_mult, (2 + config.hc_mult) * config.hc_mult
+        self.fn = nn.Parameter(torch.randn(width, n * config.hidden_size) * 0.02)
+        self.base = nn.Parameter(torch.zeros(width, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
+
+    def forward(self, streams: torch.Tensor):
+        """streams ``[T, N, D]`` → (sublayer input ``[T, D]``, post ``[T, N]``, comb ``[T, N, N]``)."""
+        return ops.mhc_pre(streams, self.fn, self.base, self.scale, norm_eps=self.norm_eps, hc_eps=self.hc_eps,
+                           sinkhorn_iters=self.iters)
+
+
+class MLP(nn.Module):
+    """Clamped SwiGLU MLP; ``glm53::swiglu`` in ``PrecisionConfig.swiglu`` mode; optional FP8
+    quantize-dequantize of its input and of the activation (``scale_fmt``: "ue8m0" | "fp32")."""
+
+    def __init__(self, config: GLM53Config, intermediate_size: int | None = None):
+        super().__init__()
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x: torch.Tensor, prec: PrecisionConfig, scale_fmt: str | None = None) -> torch.Tensor:
+        if scale_fmt is not None:
+            x = ops.fp8_qdq(x, scale_fmt=scale_fmt)
+        act = ops.swiglu(self.gate_proj(x), self.up_proj(x), limit=self.limit, mode=prec.swiglu)
+        if scale_fmt is not None:
+            act = ops.fp8_qdq(act, scale_fmt=scale_fmt)
+        return self.down_proj(act)
+
+
+class TopkRouter(nn.Module):
+    """Sigmoid router with correction bias and grouped top-k (FP32), DeepSeek-V3 style."""
+
+    def __init__(self, config: GLM53Config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(config.n_routed_experts, config.hidden_size) * 0.02)
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, D]`` → dense FP32 combine weights ``[T, E]`` (zero for experts not picked)."""
+        T, E = x.shape[0], self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        # a group's score is the sum of its two best experts; only the top topk_group groups compete
+        group_score = choice.view(T, self.n_group, -1).topk(2, dim=-1).values.sum(-1)
+        group_idx = group_score.topk(self.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_score).scatter(1, group_idx, 1.0).bool()
+        keep = keep[:, :, None].expand(T, self.n_group, E // self.n_group).reshape(T, E)
+        idx = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return torch.zeros_like(scores).scatter(1, idx, w * self.scaling)
+
+
+class Experts(nn.Module):
+    """Routed experts as 3-D weights: ``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]``."""
+
+    def __init__(self, config: GLM53Config):
+        super().__init__()
+        E, I, D = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, D) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(E, D, I) * 0.02)
+        self.limit = config.swiglu_limit
+
+    def forward(self, x, weights, prec: PrecisionConfig, scale_fmt: str | None) -> torch.Tensor:
+        """x ``[T, D]``, weights ``[T, E]`` FP32 → ``Σ_e weights[:, e] · expert_e(x)`` in x's dtype.
+
+        Every expert runs on every token (static shapes, no host sync); tokens an expert did not
+        pick get weight 0. The weighted sum accumulates in FP32 and rounds once (transformers adds
+        per expert in the model dtype: a difference of at most ~1 ulp of the output)."""
+        if scale_fmt is not None:
+            x = ops.fp8_qdq(x, scale_fmt=scale_fmt)
+        gate, up = torch.einsum("td,efd->etf", x, self.gate_up_proj).chunk(2, dim=-1)
+        act = ops.swiglu(gate, up, limit=self.limit, mode=prec.swiglu)
+        if scale_fmt is not None:
+            act = ops.fp8_qdq(act, scale_fmt=scale_fmt)
+        y = torch.einsum("etf,edf->etd", act, self.down_proj)
+        return (y.float() * weights.t()[:, :, None]).sum(0).to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert. ``PrecisionConfig.moe_act`` = "fp8_ue8m0" / "fp8_fp32scale"
+    quantize-dequantizes the expert inputs and post-SwiGLU activations (routed and shared) per 128."""
+
+    def __init__(self, config: GLM53Config):
+        super().__init__()
+        self.experts = Experts(config)
+        self.gate = TopkRouter(config)
+        self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, x: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
+        fmt = {"none": None, "fp8_ue8m0": "ue8m0", "fp8_fp32scale": "fp32"}[prec.moe_act]
+        routed = self.experts(x, self.gate(x), prec, fmt)
+        return routed + self.shared_experts(x, prec, fmt)

@@ -1,0 +1,32 @@
+"""Inductor decomposition of ``glm53::fp8_qdq`` (per-128-group e4m3 quantize-dequantize).
+
+The op is one amax reduction per group plus pointwise work, so as ATen ops it fuses with the
+producer of x (a SwiGLU, a norm) and with the consumer of â (the cast into a GEMM input) instead
+of costing a full read and write of the activation. The decomposition *is* the reference kernel
+(:func:`~inductor_ext.ops.fp8_qdq.fp8_qdq_reference`) run on the exact FP32 value of x; the one
+BF16 rounding of â goes through :func:`lowerings._rounding.store`. Max is order-independent, the
+UE8M0 scale comes from integer bit operations, ``a / s`` by a power of two is exact and the e4m3
+cast rounds to nearest even on every backend, so the compiled result is bitwise the reference's
+for ``ue8m0`` (tested); ``fp32`` scales add one IEEE division, also bitwise on the CPU.
+
+Backward: the straight-through formula of ``register_autograd`` (``dx = dâ``) traces to a cast
+that Inductor fuses with the gradient's producer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inductor_ext.ops.fp8_qdq import fp8_qdq_reference
+from lowerings._rounding import exact, store
+
+__all__ = ["fp8_qdq_decomposition", "DECOMPOSITIONS"]
+
+
+def fp8_qdq_decomposition(x, scale_fmt):
+    """(â in x's dtype, FP32 scales) as ATen ops."""
+    out, scales = fp8_qdq_reference(exact(x), scale_fmt)
+    return store(out, x.dtype), scales
+
+
+DECOMPOSITIONS = {torch.ops.glm53.fp8_qdq.default: fp8_qdq_decomposition}

@@ -1,0 +1,293 @@
+"""Triton kernels of the KPool indexer against the CPU reference (``inductor_ext.ops.kpool_reference``).
+
+Without CUDA the kernels run on CPU tensors under Triton's interpreter, at small awkward sizes with
+packed documents. Triton decides interpretation when it is first imported, so this needs its own
+process: ``TRITON_INTERPRET=1 pytest tests/test_kpool_triton.py`` (otherwise those tests skip and say
+so). With CUDA the ``cuda``-marked tests run the compiled kernels through the ``glm53::kpool_*`` ops
+at larger sizes and inside a CUDA graph. Everything skips when triton is not installed.
+
+Contracts checked: pools, scales, FP8 queries and folded head weights bitwise; scores within 1e-6
+(relative L2 and max error over max |score|); selected token ids identical (exact ties: lower pool
+index first in the kernel, same scores as the reference).
+"""
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from inductor_ext import workspace
+from inductor_ext.ops import kpool_reference as ref
+
+pytest.importorskip("triton")
+
+P = 4
+LENGTHS = [13, 22, 7, 1, 9, 3]  # packed documents: short, single-token, no complete pool, T % P != 0
+SCORE_TOL = 1e-6
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _assert_bitwise(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    bad = (_bits(got.cpu()) != _bits(want.cpu())).nonzero()
+    assert bad.numel() == 0, f"{name}: {bad.shape[0]} of {got.numel()} elements differ, first at {bad[:4].tolist()}"
+
+
+def _assert_scores(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got, want = got.cpu().double(), want.cpu().double()
+    rel = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    mx = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    assert rel <= SCORE_TOL and mx <= SCORE_TOL, f"{name}: relative L2 {rel:.2e}, max/max|ref| {mx:.2e} > {SCORE_TOL}"
+
+
+def _layout(lengths, device="cpu"):
+    T = sum(lengths)
+    cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64, device=device)
+    return T, ref.layout_reference(cu, T, P)
+
+
+def _compress_inputs(T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(T, 128, generator=g).bfloat16()
+    gate = (torch.randn(T, 128, generator=g) * 3).bfloat16()
+    ape = torch.randn(P, 128, generator=g)
+    return k, gate, ape
+
+
+def _query_inputs(T, H, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, 128, generator=g)
+    q[0, :3] *= 1e-7  # amax below the 1e-4 floor
+    q[1] *= 1e-3  # e4m3 subnormals after scaling
+    q[2, :, 0] = 448.0 * 2.0**-9 * 128**0.5  # an amax that is an exact power of two times 448
+    return q.bfloat16(), torch.randn(T, H, generator=g) * H**-0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# interpreter (CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def _interpreter_shims():
+    """Work around two Triton 3.6 interpreter bugs that do not exist on the GPU: ``range(n)`` over a
+    runtime int fails with numpy >= 2.4 (``int()`` of a 1-element array), and ``tl.dot`` multiplies
+    BF16 operands as their raw uint16 storage."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_glm53_shimmed", False):
+        return
+    patch_tensor = interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = _patch_lang_tensor
+    create_dot = interp.InterpreterBuilder.create_dot
+
+    def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def f32(h):
+            if h.dtype.scalar != tl.bfloat16:
+                return h
+            data = interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interp.TensorHandle(data, tl.float32)
+
+        return create_dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = _dot
+    interp._glm53_shimmed = True
+
+
+@pytest.fixture(scope="module")
+def kt():
+    """The kernel modules in interpreter mode (CPU tensors)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter tests: run `TRITON_INTERPRET=1 pytest tests/test_kpool_triton.py` (own process)")
+    _interpreter_shims()
+    return importlib.import_module("inductor_ext.kernels.kpool_triton")
+
+
+@pytest.mark.parametrize("mode", ref.COMPRESS_MODES)
+def test_compress_bitwise(kt, mode):
+    T, (pool_token, *_) = _layout(LENGTHS)
+    k, gate, ape = _compress_inputs(T)
+    pool, scale = kt.kpool_compress_fwd(k, gate, ape, pool_token, mode)
+    want_pool, want_scale = ref.compress_reference(k, gate, ape, pool_token, mode)
+    _assert_bitwise(f"pool[{mode}]", pool, want_pool)
+    _assert_bitwise(f"scale[{mode}]", scale, want_scale)
+
+
+def test_compress_bf16_ape(kt):
+    T, (pool_token, *_) = _layout([17, 12])
+    k, gate, ape = _compress_inputs(T, seed=3)
+    pool, scale = kt.kpool_compress_fwd(k, gate, ape.bfloat16(), pool_token, "fp8_fp32")
+    want_pool, want_scale = ref.compress_reference(k, gate, ape.bfloat16(), pool_token, "fp8_fp32")
+    _assert_bitwise("pool", pool, want_pool)
+    _assert_bitwise("scale", scale, want_scale)
+
+
+@pytest.mark.parametrize("scale_fmt", ref.SCALE_FMTS)
+@pytest.mark.parametrize("heads", [32, 64])
+def test_quant_query_bitwise(kt, scale_fmt, heads):
+    q, w = _query_inputs(11, heads)
+    q8, w_eff = kt.kpool_quant_query_fwd(q, w, scale_fmt)
+    want_q8, want_w = ref.quant_query_reference(q, w, scale_fmt)
+    _assert_bitwise("q8", q8, want_q8)
+    _assert_bitwise("w_eff", w_eff, want_w)
+
+
+def _score_inputs(kt, M, S, H, precision, seed=0):
+    q, w = _query_inputs(M, H, seed)
+    k, gate, ape = _compress_inputs(P * S, seed + 1)
+    pool_token = torch.arange(S) * P
+    pool_token[-2:] = -1  # unused slots score 0
+    if precision == "bf16":
+        pool, scale = ref.compress_reference(k, gate, ape, pool_token, "bf16_fp32")
+        return q, w, pool, scale
+    pool, scale = ref.compress_reference(k, gate, ape, pool_token, "fp8_ue8m0")
+    q8, w_eff = ref.quant_query_reference(q, w, "ue8m0")
+    return q8, w_eff, pool, scale
+
+
+@pytest.mark.parametrize("layout", workspace.LAYOUTS)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("heads", workspace.SUPPORTED_HEADS)
+def test_logits(kt, heads, precision, layout):
+    M, S = 7, 37  # M not a multiple of bq (4, 2, 1), S not a multiple of the pool block
+    q, w, pool, scale = _score_inputs(kt, M, S, heads, precision)
+    got = kt.kpool_logits_fwd(q, w, pool, scale, precision, layout)
+    want = ref.logits_reference(q, w, pool, scale, precision, layout)
+    assert got.shape == want.shape and got.stride() == want.stride(), f"logits view: {got.stride()} vs {want.stride()}"
+    assert got.untyped_storage().nbytes() == workspace.mqa_logits_bytes(M, S, heads, layout), "logits storage bytes"
+    _assert_scores(f"logits[{heads}-{precision}-{layout}]", got, want)
+
+
+@pytest.mark.parametrize("tail", ["compact", "fixed"])
+def test_select_matches_reference(kt, tail):
+    T, (_, q_lo, q_n, tail_start, tail_len) = _layout(LENGTHS)
+    logits = workspace.logits_view(T, T // P, 32, "legacy", "cpu")  # strided, like the scorer's
+    logits.copy_(torch.randn(T, T // P, generator=torch.Generator().manual_seed(5)))
+    topk = 8  # 2 pools: most rows must choose
+    got = kt.kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk, P, tail)
+    want = ref.select_reference(logits, q_lo, q_n, tail_start, tail_len, topk, P, tail)
+    assert got.dtype == torch.int32 and got.shape == want.shape, f"ids: {got.dtype}{tuple(got.shape)}"
+    bad = (got != want).any(1).nonzero().flatten()
+    assert bad.numel() == 0, f"token ids differ in rows {bad.tolist()}: {got[bad[:2]].tolist()} vs {want[bad[:2]].tolist()}"
+
+
+def test_select_ties_lower_pool_first(kt):
+    """Exact ties (scores in {0, 1, 2}, incl. -0.0): kernel = lower-index-first ranking; the
+    reference (``torch.topk``, unspecified tie order) picks pools of the same scores."""
+    lengths = [23, 14]
+    T, (_, q_lo, q_n, tail_start, tail_len) = _layout(lengths)
+    S = T // P
+    logits = torch.randint(0, 3, (T, S), generator=torch.Generator().manual_seed(7)).float()
+    logits[logits == 0] = -0.0
+    logits[::2][logits[::2] == -0.0] = 0.0
+    topk = 12
+    got = kt.kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk, P, "compact")
+    want = ref.select_reference(logits, q_lo, q_n, tail_start, tail_len, topk, P, "compact")
+    K = topk // P
+    for t in range(T):
+        lo, n = int(q_lo[t]), int(q_n[t])
+        nsel = min(n, K)
+        doc_start = int(tail_start[t]) - P * n
+        order = sorted(range(n), key=lambda j: (-float(logits[t, lo + j]), j))[:nsel]
+        expect = [doc_start + P * j + i for j in order for i in range(P)]
+        assert got[t, : nsel * P].tolist() == expect, f"row {t}: {got[t].tolist()} vs lower-index-first {expect}"
+        pools_ref = [(int(x) - doc_start) // P for x in want[t, : nsel * P : P].tolist()]
+        assert sorted(float(logits[t, lo + j]) for j in pools_ref) == sorted(float(logits[t, lo + j]) for j in order), f"row {t}: scores of the selected pools differ"
+        assert got[t, nsel * P:].tolist() == want[t, nsel * P:].tolist(), f"row {t}: tail/padding differ"
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (compiled kernels through the ops)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cuda_case(lengths, heads, seed=0):
+    T, (pool_token, q_lo, q_n, tail_start, tail_len) = _layout(lengths)
+    k, gate, ape = _compress_inputs(T, seed)
+    q, w = _query_inputs(T, heads, seed)
+    return dict(T=T, pool_token=pool_token, rows=(q_lo, q_n, tail_start, tail_len), k=k, gate=gate, ape=ape, q=q, w=w)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lengths", [LENGTHS, [4096, 3000, 1, 903]], ids=["small", "8000"])
+def test_cuda_compress_and_query_bitwise(lengths):
+    from inductor_ext import ops
+
+    c = _cuda_case(lengths, 64)
+    dev = "cuda"
+    for mode in ref.COMPRESS_MODES:
+        got = ops.kpool_compress(c["k"].to(dev), c["gate"].to(dev), c["ape"].to(dev), c["pool_token"].to(dev), mode=mode)
+        want = ref.compress_reference(c["k"], c["gate"], c["ape"], c["pool_token"], mode)
+        _assert_bitwise(f"pool[{mode}]", got[0], want[0])
+        _assert_bitwise(f"scale[{mode}]", got[1], want[1])
+    for fmt in ref.SCALE_FMTS:
+        got = ops.kpool_quant_query(c["q"].to(dev), c["w"].to(dev), scale_fmt=fmt)
+        want = ref.quant_query_reference(c["q"], c["w"], fmt)
+        _assert_bitwise(f"q8[{fmt}]", got[0], want[0])
+        _assert_bitwise(f"w_eff[{fmt}]", got[1], want[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", workspace.LAYOUTS)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("heads", workspace.SUPPORTED_HEADS)
+def test_cuda_logits_heads(heads, precision, layout):
+    from inductor_ext import ops
+
+    M, S = 1021, 1000
+    q, w, pool, scale = _score_inputs(None, M, S, heads, precision)
+    got = ops.kpool_logits(q.cuda(), w.cuda(), pool.cuda(), scale.cuda(), precision=precision, layout=layout)
+    want = ref.logits_reference(q, w, pool, scale, precision, layout)
+    assert got.stride() == want.stride(), f"logits stride {got.stride()} vs {want.stride()}"
+    _assert_scores(f"logits[{heads}-{precision}-{layout}]", got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tail", ["compact", "fixed"])
+def test_cuda_select_matches_reference(tail):
+    from inductor_ext import ops
+
+    lengths = [5000, 1, 3191]
+    T, (_, q_lo, q_n, tail_start, tail_len) = _layout(lengths)
+    logits = torch.randn(T, T // P, generator=torch.Generator().manual_seed(11))
+    rows = [t.cuda() for t in (q_lo, q_n, tail_start, tail_len)]
+    got = ops.kpool_select(logits.cuda(), *rows, topk=2048, pool_size=P, tail=tail)
+    want = ref.select_reference(logits, q_lo, q_n, tail_start, tail_len, 2048, P, tail)
+    bad = (got.cpu() != want).any(1).nonzero().flatten()
+    assert bad.numel() == 0, f"token ids differ in {bad.numel()} rows, first {bad[:4].tolist()}"
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_equals_eager():
+    """The four Triton stages capture into one CUDA graph (no host sync) and replay bit-exactly."""
+    from inductor_ext import ops
+
+    c = _cuda_case([700, 333, 1], 32, seed=2)
+    dev = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in c.items() if k != "rows"}
+    rows = [t.cuda() for t in c["rows"]]
+
+    def run():
+        pool, scale = ops.kpool_compress(dev["k"], dev["gate"], dev["ape"], dev["pool_token"], mode="fp8_ue8m0")
+        q8, w_eff = ops.kpool_quant_query(dev["q"], dev["w"], scale_fmt="ue8m0")
+        logits = ops.kpool_logits(q8, w_eff, pool, scale, precision="fp8", layout="compact")
+        return ops.kpool_select(logits, *rows, topk=64, pool_size=P, tail="compact")
+
+    eager = run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "CUDA-graph replay differs from eager"
