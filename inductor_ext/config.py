@@ -57,7 +57,6 @@ class PrecisionConfig:
       expert inputs and post-SwiGLU activations per 128 group.
     - ``mqa_layout``: ``"compact"`` | ``"legacy"`` — MQA scorer logits layout (sizes the workspace).
     - ``logits_budget_mb``: positive int — bound on the scorer's logits storage in MiB.
-    - ``kpool_size``: positive int — tokens per indexer pool (4 in GLM-5.3).
 
     Bad values raise ``ValueError`` naming the field and the allowed values.
     """
@@ -71,17 +70,15 @@ class PrecisionConfig:
     moe_act: str = "none"
     mqa_layout: str = "compact"
     logits_budget_mb: int = 256
-    kpool_size: int = 4
 
     def __post_init__(self) -> None:
         for name, allowed in _CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"PrecisionConfig.{name} must be one of {allowed}, got {value!r}")
-        for name in ("logits_budget_mb", "kpool_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"PrecisionConfig.{name} must be a positive int, got {value!r}")
+        budget = self.logits_budget_mb
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"PrecisionConfig.logits_budget_mb must be a positive int, got {budget!r}")
 
     @classmethod
     def reference(cls) -> PrecisionConfig:

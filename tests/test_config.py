@@ -19,7 +19,7 @@ def test_presets():
 
 
 @pytest.mark.parametrize("field,value", [("kda", "fp16"), ("moe_act", "fp8"), ("mqa_layout", "dense"),
-                                         ("logits_budget_mb", 0), ("logits_budget_mb", 1.5), ("kpool_size", True)])
+                                         ("logits_budget_mb", 0), ("logits_budget_mb", 1.5), ("logits_budget_mb", True)])
 def test_bad_values_raise(field, value):
     with pytest.raises(ValueError, match=f"PrecisionConfig.{field}"):
         PrecisionConfig(**{field: value})

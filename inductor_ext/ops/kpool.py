@@ -333,7 +333,7 @@ def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, ta
 
 def kpool_indexer(
     x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape,
-    cu_seqlens=None, *, topk, pool_size=None, kpool=None, kpool_pooling=None, head_proj=None,
+    cu_seqlens=None, *, topk, pool_size=4, kpool=None, kpool_pooling=None, head_proj=None,
     mqa_layout=None, logits_budget_mb=None, scale_fmt="ue8m0", tail="compact", eps=1e-6,
 ):
     """The GLM-5.3 KPool indexer: selected token ids per query, one call for the DSA layer.
@@ -345,7 +345,8 @@ def kpool_indexer(
             (parameter names of transformers ``Glm5NextTextIndexer``). H in 32, 64, 128.
         cu_seqlens: int64 ``[N+1]`` packed document offsets (``None``: one document of T tokens).
         topk: selected tokens per query (GLM-5.3: 2048), a multiple of P.
-        pool_size, kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb: the
+        pool_size: tokens per pool P (model geometry, GLM-5.3: 4).
+        kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb: the
             :class:`~inductor_ext.PrecisionConfig` fields as literals; ``None`` takes the active
             config's value (read while tracing, so it is a constant of the graph).
         scale_fmt: FP8 scales, ``"ue8m0"`` (powers of two) or ``"fp32"``.
@@ -360,7 +361,7 @@ def kpool_indexer(
         are rounded to BF16 before pooling and scoring.
     """
     cfg = active_config()
-    P = cfg.kpool_size if pool_size is None else pool_size
+    P = pool_size
     kpool = cfg.kpool if kpool is None else kpool
     kpool_pooling = cfg.kpool_pooling if kpool_pooling is None else kpool_pooling
     head_proj = cfg.head_proj if head_proj is None else head_proj
