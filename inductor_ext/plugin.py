@@ -1,7 +1,8 @@
 """``enable()``: installs the plugin into torch.compile / Inductor.
 
 The ops register themselves with ``torch.library`` on import; ``enable()`` adds what must touch
-Inductor's global state, and only when the user asks: a post-grad ``CustomGraphPass`` whose
+Inductor's global state, and only when the user asks: the decompositions of :mod:`lowerings` into
+Inductor's table (so the cheap ops fuse), and a post-grad ``CustomGraphPass`` whose
 ``uuid()`` hashes this package's version and source files, so Inductor's caches never reuse an
 artifact compiled by another version of the plugin (the precision itself is a literal in the graph
 and already part of every cache key).
@@ -58,8 +59,8 @@ def enable() -> None:
     import inductor_ext.ops  # noqa: F401  (defines the ops and their fakes)
     import lowerings
 
+    lowerings.register_all()  # idempotent: Inductor-only decompositions of the fusible ops
     if is_enabled():
-        lowerings.register_all()  # idempotent: Inductor-only decompositions of the fusible ops
         return
     current = inductor_config.post_grad_custom_post_pass
     if current is not None and not isinstance(current, CustomGraphPass):
@@ -68,4 +69,3 @@ def enable() -> None:
             "cache it only as a CustomGraphPass with a uuid(). Wrap it before calling enable()."
         )
     inductor_config.post_grad_custom_post_pass = GLM53GraphPass(current)
-    lowerings.register_all()
