@@ -70,7 +70,6 @@ def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, pr
                 del graph
             row["samples"] = samples
             rows.append(row)
-        del inputs, do
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "fla": backends.version("fla"), "method": "CUDA-graph replay, CUDA events", "rows": rows}

@@ -10,12 +10,10 @@ BF16 MMA accumulates in FP32. Scores differ from the reference only by FP32 summ
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from inductor_ext import workspace
-from inductor_ext.ops.kpool_reference import HEAD_DIM
 
 __all__ = ["kpool_logits_fwd"]
 
