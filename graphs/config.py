@@ -102,6 +102,14 @@ class GLM53Config:
             if i == 0 or self.layer_types[i - 1] != "indexed_attention" or self.indexer_types[i - 1] != "full":
                 raise ValueError(f"GLM53Config: shared-indexer layer {i} must follow a DSA layer with a full indexer")
 
+    def first_layer(self, kind: str) -> int:
+        """Index of the first ``"kda"`` layer, or of the first ``"dsa"`` layer with its own indexer."""
+        for i, (layer, indexer) in enumerate(zip(self.layer_types, self.indexer_types)):
+            if (kind == "kda" and layer == "linear_attention") or (
+                    kind == "dsa" and layer == "indexed_attention" and indexer == "full"):
+                return i
+        raise ValueError(f"GLM53Config has no {kind!r} layer (kind is 'kda' or 'dsa')")
+
     @classmethod
     def tiny(cls, **changes) -> GLM53Config:
         """3 layers (KDA+MoE, DSA full+dense MLP, DSA shared+MoE), hidden 128: runs forward

@@ -13,7 +13,7 @@ import inductor_ext
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.ops.kda import kda_recurrent_reference
 
-__all__ = ["kda_accuracy", "kda_compile", "run_report"]
+__all__ = ["kda_accuracy", "kda_compile", "layers_compile", "run_report"]
 
 _ARGS = ("q", "k", "v", "g", "beta")
 
@@ -100,6 +100,46 @@ def kda_compile(device) -> list[dict]:
     return rows
 
 
+def layers_compile(device, backend: str, tokens: int = 64) -> list[dict]:
+    """Compile each GLM-5.3 layer kind of the preset (``tiny`` on CPU, ``h200`` on CUDA) forward +
+    backward with ``fullgraph=True`` under ``reference()`` then ``serving_aligned()``: compile time,
+    graph breaks, frames (one per config) and whether a repeated call recompiles."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from graphs import DecoderLayer, GLM53Config
+    from graphs.modules import cast_model
+
+    inductor_ext.enable()
+    cfg = GLM53Config.h200() if device == "cuda" else GLM53Config.tiny()
+    cu = torch.tensor([0, tokens * 5 // 8, tokens], device=device)
+    rows = []
+    for kind in ("kda", "dsa"):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        layer = cast_model(DecoderLayer(cfg, cfg.first_layer(kind)), torch.bfloat16).to(device)
+        x = torch.randn(tokens, cfg.hc_mult, cfg.hidden_size, device=device, dtype=torch.bfloat16,
+                        requires_grad=True)
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(lambda x, cu: layer(x, cu)[0].float().square().mean(), backend=counter,
+                                 fullgraph=True)
+        for name in ("reference", "serving_aligned"):
+            with inductor_ext.precision(getattr(PrecisionConfig, name)()):
+                start = time.perf_counter()
+                compiled(x, cu).backward()
+                seconds = time.perf_counter() - start
+                frames = counter.frame_count
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    compiled(x, cu).backward()
+            rows.append({"device": device, "kind": kind, "preset": "h200" if device == "cuda" else "tiny",
+                         "backend": backend, "precision": name, "tokens": tokens, "compile_s": seconds,
+                         "frames_total": frames, "recompiled_on_repeat": counter.frame_count != frames,
+                         "graph_breaks": sum(counters["graph_break"].values())})
+    torch._dynamo.reset()
+    return rows
+
+
 def _markdown(report: dict) -> str:
     lines = [f"# glm53-inductor report ({report['device']}, torch {report['torch']})", "",
              "## KDA accuracy (relative L2 vs FP64 recurrence; BF16 inputs vs FP64 rounded to BF16)", "",
@@ -115,6 +155,12 @@ def _markdown(report: dict) -> str:
     for r in report["kda_compile"]:
         lines.append(f"| {r['backend']} | {r['precision']} | {r['compile_s']:.2f} | {r['frames_total']} | "
                      f"{r['graph_breaks']} | {r['recompiled_on_repeat']} |")
+    lines += ["", "## GLM-5.3 layers (forward + backward, fullgraph=True)", "",
+              "| layer | preset | backend | precision | compile s | frames so far | graph breaks | recompiled on repeat |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["layers_compile"]:
+        lines.append(f"| {r['kind']} | {r['preset']} | {r['backend']} | {r['precision']} | {r['compile_s']:.1f} | "
+                     f"{r['frames_total']} | {r['graph_breaks']} | {r['recompiled_on_repeat']} |")
     if report.get("kda_bench"):
         from inductor_ext.bench import format_kda
 
@@ -157,6 +203,10 @@ def run_report(out: pathlib.Path, device: str, bench_tokens=None, progress=print
         report["kda_accuracy"] = kda_accuracy((70, 59), 4, 64, device)
     progress("KDA compile (aot_eager, inductor)")
     report["kda_compile"] = kda_compile(device)
+    # CPU: aot_eager keeps the report within a few minutes (inductor takes ~30-50 s per layer here)
+    layer_backend = "inductor" if cuda else "aot_eager"
+    progress(f"GLM-5.3 layer compile ({layer_backend})")
+    report["layers_compile"] = layers_compile(device, layer_backend)
     if cuda:
         from inductor_ext.bench import DEFAULT_TOKENS, bench_kda
 

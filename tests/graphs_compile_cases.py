@@ -26,14 +26,12 @@ from inductor_ext import PrecisionConfig
 REFERENCE = PrecisionConfig.reference()
 CONFIGS = {"reference": REFERENCE, **REFERENCE.toggles()}
 PRESETS = {"tiny": GLM53Config.tiny, "h200": GLM53Config.h200}
-KIND_LAYER = {"kda": "linear_attention", "dsa": "indexed_attention"}
 TOKENS = {"tiny": 64, "h200": 256}
 
 
 def layer_index(cfg: GLM53Config, kind: str) -> int:
     """First layer of that attention kind (DSA: with its own indexer)."""
-    return next(i for i, t in enumerate(cfg.layer_types)
-                if t == KIND_LAYER[kind] and (kind == "kda" or cfg.indexer_types[i] == "full"))
+    return cfg.first_layer(kind)
 
 
 def _build(preset: str, kind: str, prec: PrecisionConfig):

@@ -38,3 +38,8 @@ def test_report_writes_json_markdown_png(tmp_path):
     rows = {(r["inputs"], r["precision"]): r for r in report["kda_accuracy"]}
     assert rows[("fp32", "fp32")]["o"] < 1e-5 and rows[("fp32", "bf16")]["o"] > 1e-3
     assert all(r["graph_breaks"] == 0 and not r["recompiled_on_repeat"] for r in report["kda_compile"])
+    layers = report["layers_compile"]
+    assert {(r["kind"], r["precision"]) for r in layers} == {
+        (k, p) for k in ("kda", "dsa") for p in ("reference", "serving_aligned")}
+    assert all(r["graph_breaks"] == 0 and not r["recompiled_on_repeat"] for r in layers)
+    assert [r["frames_total"] for r in layers] == [1, 2, 1, 2], "one compile per config"
