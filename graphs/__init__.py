@@ -21,3 +21,7 @@ from graphs.sparse_attention import sparse_attention
 
 __all__ = ["GLM53Config", "GLM53Model", "DecoderLayer", "LinearAttention", "IndexedAttention", "Indexer",
            "MLP", "MoE", "HyperConnection", "RMSNorm", "sparse_attention"]
+
+from graphs.serving import ServingForward  # noqa: E402
+
+__all__ += ["ServingForward"]

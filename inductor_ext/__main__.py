@@ -64,12 +64,37 @@ def _run(argv) -> int:
     ben.add_argument("--tokens", type=int, nargs="+")
     ben.add_argument("--samples", type=int, default=50)
     sub.add_parser("doctor", help="versions, usable back-ends, which kernel each op takes")
+    mis = sub.add_parser("mismatch", help="fixed-token train/serve mismatch-KL ablation over PrecisionConfig arms (CPU)")
+    mis.add_argument("--out", type=pathlib.Path, default=pathlib.Path("mismatch_out"))
+    mis.add_argument("--seed", type=int, default=0)
+    mis.add_argument("--seqs", type=int, default=8, help="sampled sequences (default 8)")
+    mis.add_argument("--prompt-len", type=int, default=16)
+    mis.add_argument("--new-tokens", type=int, default=32, help="response tokens per sequence (default 32)")
+    mis.add_argument("--entropy", type=float, default=2.0, help="calibration target, nats (default 2.0)")
+    mis.add_argument("--compile", choices=("aot_eager", "inductor", "eager", "none"), default="aot_eager",
+                     help="torch.compile backend of the training model (default aot_eager; none = eager)")
+    mis.add_argument("--arms", nargs="+", help="subset of arms (default: reference, every path, serving_aligned)")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
         print(json.dumps(_doctor(), indent=2))
         return 0
     progress = _progress()
+    if args.command == "mismatch":
+        from inductor_ext.mismatch import MismatchSettings, default_arms, format_table, run_mismatch, write_json
+
+        arms = default_arms()
+        if args.arms:
+            bad = [a for a in args.arms if a not in arms]
+            if bad:
+                raise ValueError(f"unknown arm(s) {bad}; choose from {list(arms)}")
+            arms = {a: arms[a] for a in args.arms}
+        settings = MismatchSettings(seed=args.seed, num_seqs=args.seqs, prompt_len=args.prompt_len,
+                                    new_tokens=args.new_tokens, target_entropy=args.entropy, compile=args.compile)
+        result = run_mismatch(settings, arms=arms, progress=progress)
+        print(format_table(result))
+        print(f"wrote {write_json(result, args.out)}")
+        return 0
     if args.command == "report":
         from inductor_ext.report import run_report
 
