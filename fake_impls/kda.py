@@ -23,6 +23,7 @@ def _final_state(q, v, cu_seqlens):
 
 @torch.library.register_fake("glm53::kda_chunk")
 def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+    """Outputs of ``glm53::kda_chunk`` as empty tensors: shapes, dtypes, strides, no data."""
     store = torch.float32 if precision == "fp32" else torch.bfloat16
     B, T, H, K = q.shape
     return (
@@ -41,9 +42,11 @@ def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision
 @torch.library.register_fake("glm53::kda_chunk_bwd")
 def kda_chunk_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
                        qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk, do, dht):
+    """Outputs of ``glm53::kda_chunk_bwd`` as empty tensors: shapes, dtypes, strides, no data."""
     return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), _final_state(q, v, cu_seqlens))
 
 
 @torch.library.register_fake("glm53::kda_recurrent")
 def kda_recurrent_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """Outputs of ``glm53::kda_recurrent`` as empty tensors: shapes, dtypes, strides, no data."""
     return v.new_empty(v.shape), _final_state(q, v, cu_seqlens)

@@ -11,4 +11,5 @@ __all__ = ["layer_norm_fp32_fake"]
 
 @torch.library.register_fake("glm53::layer_norm_fp32")
 def layer_norm_fp32_fake(x, weight, bias, eps):
+    """Outputs of ``glm53::layer_norm_fp32`` as empty tensors: shapes, dtypes, strides, no data."""
     return x.new_empty(x.shape)

@@ -15,6 +15,7 @@ __all__ = ["mhc_pre_fake", "mhc_post_fake"]
 
 @torch.library.register_fake("glm53::mhc_pre")
 def mhc_pre_fake(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    """Outputs of ``glm53::mhc_pre`` as empty tensors: shapes, dtypes, strides, no data."""
     lead, N, D = x.shape[:-2], x.shape[-2], x.shape[-1]
     return (
         x.new_empty((*lead, D)),
@@ -25,4 +26,5 @@ def mhc_pre_fake(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
 
 @torch.library.register_fake("glm53::mhc_post")
 def mhc_post_fake(f, residual, post, comb, precision):
+    """Outputs of ``glm53::mhc_post`` as empty tensors: shapes, dtypes, strides, no data."""
     return residual.new_empty(residual.shape)

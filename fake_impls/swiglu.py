@@ -11,4 +11,5 @@ __all__ = ["swiglu_fake"]
 
 @torch.library.register_fake("glm53::swiglu")
 def swiglu_fake(gate, up, limit, mode):
+    """Outputs of ``glm53::swiglu`` as empty tensors: shapes, dtypes, strides, no data."""
     return gate.new_empty(gate.shape)

@@ -45,6 +45,7 @@ class GLM53GraphPass(CustomGraphPass):
             self.inner(graph)
 
     def uuid(self):
+        """Cache-key salt: the plugin's source hash and the wrapped pass's uuid."""
         inner = None if self.inner is None else self.inner.uuid()
         return ("glm53-inductor", source_hash(), inner)
 

@@ -150,18 +150,22 @@ class LogitsPlan:
 
     @property
     def bq(self) -> int:
+        """Row block: rows are padded to a multiple of 128 / heads."""
         return mqa_row_block(self.heads)
 
     @property
     def stride(self) -> int:
+        """Logits row stride in FP32 elements for this layout."""
         return mqa_logits_stride(self.pools, self.layout)
 
     @property
     def chunk_rows(self) -> int:
+        """Query rows scored per chunk so one chunk fits the budget."""
         return score_chunk_rows(self.rows, self.pools, self.heads, self.layout, self.budget_bytes)
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` row ranges covering all rows, ``chunk_rows`` at a time."""
         step = self.chunk_rows
         if step == 0:
             return ()
@@ -169,6 +173,7 @@ class LogitsPlan:
 
     @property
     def chunk_bytes(self) -> int:
+        """Bytes of one full chunk's logits storage."""
         return mqa_logits_bytes(self.chunk_rows, self.pools, self.heads, self.layout)
 
     def allocate(self, rows: int, device: torch.device | str = "cpu") -> torch.Tensor:

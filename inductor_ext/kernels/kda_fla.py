@@ -32,6 +32,8 @@ def _chunk_list(cu_seqlens, T: int):
 
 
 def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+    """CUDA kernel of ``glm53::kda_chunk``: fla's l2norm + chunk_kda_fwd on q/k/v/beta cast to the
+    precision's dtype; returns o (v's dtype), the FP32 final state and the residuals."""
     out_dtype = v.dtype
     dt = _compute_dtype(precision)
     q, k, v, beta = (x.to(dt).contiguous() for x in (q, k, v, beta))
@@ -51,6 +53,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
 
 def kda_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
                   qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk, do, dht):
+    """CUDA kernel of ``glm53::kda_chunk_bwd``: fla's chunk_kda_bwd (recomputing w, u, h from the
+    residuals) + l2norm backward; gradients in their inputs' dtypes, dh0 FP32."""
     dt = _compute_dtype(precision)
     v_c, beta_c = v.to(dt).contiguous(), beta.to(dt).contiguous()
     chunk_indices, chunk_offsets = _chunk_list(cu_seqlens, q.shape[1])
