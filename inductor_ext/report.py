@@ -161,6 +161,10 @@ def _markdown(report: dict) -> str:
     for r in report["layers_compile"]:
         lines.append(f"| {r['kind']} | {r['preset']} | {r['backend']} | {r['precision']} | {r['compile_s']:.1f} | "
                      f"{r['frames_total']} | {r['graph_breaks']} | {r['recompiled_on_repeat']} |")
+    if report.get("mismatch"):
+        from inductor_ext.mismatch import format_table
+
+        lines += ["", "## Fixed-token train/serve mismatch (tiny preset)", "", format_table(report["mismatch"])]
     if report.get("kda_bench"):
         from inductor_ext.bench import format_kda
 
@@ -207,6 +211,11 @@ def run_report(out: pathlib.Path, device: str, bench_tokens=None, progress=print
     layer_backend = "inductor" if cuda else "aot_eager"
     progress(f"GLM-5.3 layer compile ({layer_backend})")
     report["layers_compile"] = layers_compile(device, layer_backend)
+    if not cuda:  # the ablation's CPU table; its h200-geometry run is `python -m inductor_ext mismatch`
+        from inductor_ext.mismatch import run_mismatch
+
+        progress("train/serve mismatch ablation")
+        report["mismatch"] = run_mismatch(progress=progress)
     if cuda:
         from inductor_ext.bench import DEFAULT_TOKENS, bench_kda
 
