@@ -90,14 +90,20 @@ class LinearAttention(nn.Module):
             out = out + torch.where((pos >= s)[:, None], shifted, 0.0) * w[:, self.kernel - 1 - s]
         return F.silu(out).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, prec: PrecisionConfig) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, prec: PrecisionConfig,
+                serving: bool = False) -> torch.Tensor:
+        """``serving``: the KDA core is ``kda_recurrent`` (FP32 state, forward only) instead of
+        ``kda_chunk`` at ``prec.kda``; every other step is the same."""
         T = x.shape[0]
         pos = document_positions(cu_seqlens, T, x.device)
         qkv = self.short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), pos)
         q, k, v = (t.reshape(1, T, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
         g = self.forget_gate(x).unsqueeze(0)
         beta = torch.sigmoid(self.b_proj(x)).unsqueeze(0)
-        o, _ = ops.kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens, precision=prec.kda)
+        if serving:
+            o, _ = ops.kda_recurrent(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        else:
+            o, _ = ops.kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens, precision=prec.kda)
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.num_heads, self.head_dim)
         o = self.o_norm(o[0], gate).reshape(T, -1)
         return self.o_proj(o)

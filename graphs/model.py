@@ -55,9 +55,11 @@ class DecoderLayer(nn.Module):
         self.precision = precision
         self.hc_mult, self.hidden = config.hc_mult, config.hidden_size
 
-    def forward(self, streams, cu_seqlens=None, prev_ids=None, precision: PrecisionConfig | None = None):
+    def forward(self, streams, cu_seqlens=None, prev_ids=None, precision: PrecisionConfig | None = None,
+                serving: bool = False):
         """streams ``[T, N, D]`` → (streams ``[T, N, D]``, token ids ``[T, W]`` int32 of a DSA layer
-        or None). ``precision``: argument, else the layer's, else the active config."""
+        or None). ``precision``: argument, else the layer's, else the active config. ``serving``:
+        KDA through the FP32 recurrence (the serving engine's kernel), forward only."""
         prec = resolve_precision(precision if precision is not None else self.precision)
         if streams.dim() != 3 or tuple(streams.shape[1:]) != (self.hc_mult, self.hidden):
             raise ValueError(f"DecoderLayer: streams must be [T, {self.hc_mult}, {self.hidden}], "
@@ -67,7 +69,7 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm(x)
         ids = None
         if self.kind == "linear_attention":
-            x = self.self_attn(x, cu_seqlens, prec)
+            x = self.self_attn(x, cu_seqlens, prec, serving)
         else:
             x, ids = self.self_attn(x, cu_seqlens, prev_ids, prec)
         streams = ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post)
@@ -118,18 +120,23 @@ class GLM53Model(nn.Module):
                 (input_ids.dim() == 2 and input_ids.shape[0] != 1):
             raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got "
                              f"{input_ids.dtype} {tuple(input_ids.shape)}")
-        prec = resolve_precision(self.precision)
+        final, hidden = self.final_hidden(input_ids, cu_seqlens, resolve_precision(self.precision))
+        logits = self.lm_head(final).view(*input_ids.shape, -1)
+        return (logits, hidden) if output_hidden_states else logits
+
+    def final_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, precision: PrecisionConfig,
+                     serving: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The lm_head input ``[T, D]`` and the mHC streams after every layer, under ``precision``;
+        ``serving`` runs KDA through the FP32 recurrence (see :class:`graphs.serving.ServingForward`)."""
         tokens = input_ids.reshape(-1)
         check_tokens(tokens.shape[0], cu_seqlens, tokens.device)
         x = self.embed_tokens(tokens)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         hidden, ids = [], None
         for layer in self.layers:
-            streams, ids = layer(streams, cu_seqlens, ids, prec)
+            streams, ids = layer(streams, cu_seqlens, ids, precision, serving)
             hidden.append(streams)
-        logits = self.lm_head(self.norm(streams.mean(dim=1)))
-        logits = logits.view(*input_ids.shape, -1)
-        return (logits, tuple(hidden)) if output_hidden_states else logits
+        return self.norm(streams.mean(dim=1)), tuple(hidden)
 
     @classmethod
     def from_hf(cls, hf_model_or_state_dict, config=None, precision: PrecisionConfig | None = None) -> GLM53Model:

@@ -1,7 +1,7 @@
 """Serving-numerics forward of the reduced GLM-5.3 model, sharing the training model's weights.
 
-:class:`ServingForward` walks the modules of a :class:`~graphs.model.GLM53Model` (same parameters,
-no copy) and runs every precision path with the serving engine's semantics (DESIGN §4), not the
+:class:`ServingForward` runs the layers of a :class:`~graphs.model.GLM53Model` (same parameters,
+no copy) with ``serving=True`` (KDA through the recurrence) and runs every precision path with the serving engine's semantics (DESIGN §4), not the
 training path's:
 
 - KDA through ``glm53::kda_recurrent`` (the token recurrence with FP32 state and FP32 math),
@@ -21,29 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphs.kda_layer import LinearAttention, document_positions
-from graphs.model import GLM53Model, check_tokens
-from inductor_ext import PrecisionConfig, ops
+from graphs.model import GLM53Model
+from inductor_ext import PrecisionConfig
 
-__all__ = ["ServingForward", "SERVING_PRECISION", "serving_kda"]
+__all__ = ["ServingForward", "SERVING_PRECISION"]
 
 # the serving engine's choice on every precision path (kda is always the recurrent kernel here)
 SERVING_PRECISION = PrecisionConfig.serving_aligned()
-
-
-def serving_kda(attn: LinearAttention, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """The KDA token mixer of ``attn`` with ``glm53::kda_recurrent`` (FP32 state) in place of
-    ``kda_chunk``; every other step is the layer's own (projections, conv, gates, gated norm)."""
-    T = x.shape[0]
-    pos = document_positions(cu_seqlens, T, x.device)
-    qkv = attn.short_conv(torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1), pos)
-    q, k, v = (t.reshape(1, T, attn.num_heads, attn.head_dim) for t in qkv.chunk(3, dim=-1))
-    g = attn.forget_gate(x).unsqueeze(0)
-    beta = torch.sigmoid(attn.b_proj(x)).unsqueeze(0)
-    o, _ = ops.kda_recurrent(q, k, v, g, beta, cu_seqlens=cu_seqlens)
-    gate = attn.g_b_proj(attn.g_a_proj(x)).view(T, attn.num_heads, attn.head_dim)
-    o = attn.o_norm(o[0], gate).reshape(T, -1)
-    return attn.o_proj(o)
 
 
 class ServingForward(nn.Module):
@@ -65,31 +49,9 @@ class ServingForward(nn.Module):
         self.model = model
         self.precision = precision
 
-    def _layer(self, layer, streams, cu_seqlens, prev_ids):
-        prec = self.precision
-        x, post, comb = layer.attn_hc(streams)
-        x = layer.input_layernorm(x)
-        ids = None
-        if layer.kind == "linear_attention":
-            x = serving_kda(layer.self_attn, x, cu_seqlens)
-        else:
-            x, ids = layer.self_attn(x, cu_seqlens, prev_ids, prec)
-        streams = ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post)
-        x, post, comb = layer.ffn_hc(streams)
-        x = layer.mlp(layer.post_attention_layernorm(x), prec)
-        return ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post), ids
-
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """The final-norm hidden states ``[T, D]`` (the lm_head input) of packed ``input_ids [T]``."""
-        m = self.model
-        tokens = input_ids.reshape(-1)
-        check_tokens(tokens.shape[0], cu_seqlens, tokens.device)
-        x = m.embed_tokens(tokens)
-        streams = x.unsqueeze(1).expand(-1, m.config.hc_mult, -1).contiguous()
-        ids = None
-        for layer in m.layers:
-            streams, ids = self._layer(layer, streams, cu_seqlens, ids)
-        return m.norm(streams.mean(dim=1))
+        return self.model.final_hidden(input_ids, cu_seqlens, self.precision, serving=True)[0]
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[..., T, vocab]`` in the model dtype, like :meth:`GLM53Model.forward`."""
