@@ -57,7 +57,8 @@ def _grad_errors(lengths, heads, dim, device, prec) -> dict:
     x, cu = _kda_inputs(lengths, heads, dim, dim, torch.float32, device, seed=1)
     leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
     o, s = ops.kda_chunk(*leaves.values(), cu_seqlens=cu, precision=prec)
-    do, dht = torch.randn_like(o), torch.randn_like(s)
+    gen = torch.Generator(device=device).manual_seed(2)
+    do, dht = (torch.randn(t.shape, generator=gen, device=device).to(t.dtype) for t in (o, s))
     torch.autograd.backward((o, s), (do, dht))
     ref = {n: t.detach().double().requires_grad_(True) for n, t in x.items()}
     o64, s64 = kda_recurrent_reference(*ref.values(), dim ** -0.5, None, cu, compute_dtype=torch.float64)
@@ -140,27 +141,30 @@ def layers_compile(device, backend: str, tokens: int = 64) -> list[dict]:
     return rows
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def _markdown(report: dict) -> str:
+    grads = ("dq", "dk", "dv", "dg", "dbeta")
     lines = [f"# glm53-inductor report ({report['device']}, torch {report['torch']})", "",
-             "## KDA accuracy (relative L2 vs FP64 recurrence; BF16 inputs vs FP64 rounded to BF16)", "",
-             "| inputs | precision | T | H×D | o | final state | dq | dk | dv | dg | dbeta |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in report["kda_accuracy"]:
-        grads = " | ".join(f"{r[k]:.2e}" if k in r else "–" for k in ("dq", "dk", "dv", "dg", "dbeta"))
-        lines.append(f"| {r['inputs']} | {r['precision']} | {r['tokens']} | {r['heads']}×{r['dim']} | "
-                     f"{r['o']:.2e} | {r['final_state']:.2e} | {grads} |")
-    lines += ["", "## Compile (forward + backward, fullgraph=True)", "",
-              "| backend | precision | compile s | frames so far | graph breaks | recompiled on repeat |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for r in report["kda_compile"]:
-        lines.append(f"| {r['backend']} | {r['precision']} | {r['compile_s']:.2f} | {r['frames_total']} | "
-                     f"{r['graph_breaks']} | {r['recompiled_on_repeat']} |")
-    lines += ["", "## GLM-5.3 layers (forward + backward, fullgraph=True)", "",
-              "| layer | preset | backend | precision | compile s | frames so far | graph breaks | recompiled on repeat |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in report["layers_compile"]:
-        lines.append(f"| {r['kind']} | {r['preset']} | {r['backend']} | {r['precision']} | {r['compile_s']:.1f} | "
-                     f"{r['frames_total']} | {r['graph_breaks']} | {r['recompiled_on_repeat']} |")
+             "## KDA accuracy (relative L2 vs FP64 recurrence; BF16 inputs vs FP64 rounded to BF16)", ""]
+    lines += _table(["inputs", "precision", "T", "H×D", "o", "final state", *grads], [
+        [r["inputs"], r["precision"], str(r["tokens"]), f"{r['heads']}×{r['dim']}", f"{r['o']:.2e}",
+         f"{r['final_state']:.2e}", *(f"{r[k]:.2e}" if k in r else "–" for k in grads)]
+        for r in report["kda_accuracy"]])
+    compile_cols = ["compile s", "frames so far", "graph breaks", "recompiled on repeat"]
+
+    def compile_cells(r):
+        return [f"{r['compile_s']:.2f}", str(r["frames_total"]), str(r["graph_breaks"]), str(r["recompiled_on_repeat"])]
+
+    lines += ["", "## KDA op compile (forward + backward, fullgraph=True)", ""]
+    lines += _table(["backend", "precision", *compile_cols],
+                    [[r["backend"], r["precision"], *compile_cells(r)] for r in report["kda_compile"]])
+    lines += ["", "## GLM-5.3 layers (forward + backward, fullgraph=True)", ""]
+    lines += _table(["layer", "preset", "backend", "precision", *compile_cols],
+                    [[r["kind"], r["preset"], r["backend"], r["precision"], *compile_cells(r)]
+                     for r in report["layers_compile"]])
     if report.get("mismatch"):
         from inductor_ext.mismatch import format_table
 
