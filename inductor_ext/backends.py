@@ -12,7 +12,7 @@ import functools
 import importlib
 import logging
 
-__all__ = ["BACKENDS", "available", "load", "require", "version"]
+__all__ = ["BACKENDS", "available", "load", "register_cuda_kernel", "require", "version"]
 
 log = logging.getLogger("inductor_ext")
 
@@ -55,6 +55,19 @@ def load(name: str, op: str, fallback: str):
     if module is None:
         _log_fallback(name, op, fallback, reason)
     return module
+
+
+def register_cuda_kernel(op, op_name: str, backend: str, reference, fast, fallback: str) -> None:
+    """Register ``op``'s CUDA kernel: ``fast()`` (a zero-argument loader of the back-end kernel,
+    imported on first call) when ``backend`` imports, else ``reference`` after logging once that
+    ``op_name`` uses ``fallback``."""
+
+    def kernel(*args):
+        if load(backend, op_name, fallback=fallback) is None:
+            return reference(*args)
+        return fast()(*args)
+
+    op.register_kernel("cuda")(kernel)
 
 
 def require(name: str):

@@ -13,6 +13,7 @@ import torch
 import fake_impls  # noqa: F401  (registers the fake kernels)
 from inductor_ext.config import active_config
 from inductor_ext.ops import kda as _kda
+from inductor_ext.ops._checks import eager
 from inductor_ext.ops import fp8_qdq as _fp8_qdq
 from inductor_ext.ops import fp32_linear as _fp32_linear
 from inductor_ext.ops import layer_norm_fp32 as _layer_norm_fp32
@@ -22,15 +23,9 @@ from inductor_ext.ops import swiglu as _swiglu
 __all__ = ["kda_chunk", "kda_recurrent"]
 
 
-def _eager() -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _kda_args(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
     _kda.validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, precision)
-    if _eager():
+    if eager():
         _kda.check_kda_values(g, cu_seqlens, q.shape[1])
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 

@@ -26,6 +26,7 @@ import math
 import torch
 
 from inductor_ext import backends
+from inductor_ext.ops._checks import check_cu_seqlens_values
 
 __all__ = [
     "CHUNK",
@@ -105,9 +106,7 @@ def check_kda_values(g, cu_seqlens, T: int) -> None:
     if not bool(torch.isfinite(g).all()):
         raise ValueError("kda: g (log-decay) must be finite")
     if cu_seqlens is not None:
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"kda: cu_seqlens must be non-decreasing from 0 to T={T}, got {cu}")
+        check_cu_seqlens_values("kda", cu_seqlens, T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,22 +317,16 @@ def kda_recurrent(
 _FALLBACK = "the plain-torch reference kernel (slow, synchronises with the host)"
 
 
-@kda_chunk.register_kernel("cuda")
-def _kda_chunk_cuda(*args):
-    if backends.load("fla", "glm53::kda_chunk", fallback=_FALLBACK) is None:
-        return _kda_chunk_reference_kernel(*args)
+def _fla(entry: str):
     from inductor_ext.kernels import kda_fla
 
-    return kda_fla.kda_chunk_fwd(*args)
+    return getattr(kda_fla, entry)
 
 
-@kda_chunk_bwd.register_kernel("cuda")
-def _kda_chunk_bwd_cuda(*args):
-    if backends.load("fla", "glm53::kda_chunk_bwd", fallback=_FALLBACK) is None:
-        return _kda_chunk_bwd_reference_kernel(*args)
-    from inductor_ext.kernels import kda_fla
-
-    return kda_fla.kda_chunk_bwd(*args)
+backends.register_cuda_kernel(kda_chunk, "glm53::kda_chunk", "fla", _kda_chunk_reference_kernel,
+                              lambda: _fla("kda_chunk_fwd"), fallback=_FALLBACK)
+backends.register_cuda_kernel(kda_chunk_bwd, "glm53::kda_chunk_bwd", "fla", _kda_chunk_bwd_reference_kernel,
+                              lambda: _fla("kda_chunk_bwd"), fallback=_FALLBACK)
 
 
 # autograd: residual outputs are non-differentiable, grads of unused outputs stay None

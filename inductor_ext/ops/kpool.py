@@ -19,6 +19,7 @@ import torch
 from inductor_ext import backends, workspace
 from inductor_ext.config import active_config
 from inductor_ext.ops import kpool_reference as ref
+from inductor_ext.ops._checks import check_cu_seqlens_values, eager
 
 __all__ = [
     "kpool_project",
@@ -93,16 +94,17 @@ _FALLBACK = "the plain-torch reference kernel"
 
 
 def _register_cuda(op, name: str, reference, triton_entry: str) -> None:
-    def kernel(*args):
-        if backends.load("triton", f"glm53::{name}", fallback=_FALLBACK) is None:
-            with torch.no_grad():
-                out = reference(*args)
-            return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out
+    def plain(*args):
+        with torch.no_grad():
+            out = reference(*args)
+        return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out
+
+    def triton_kernel():
         from inductor_ext.kernels import kpool_triton
 
-        return getattr(kpool_triton, triton_entry)(*args)
+        return getattr(kpool_triton, triton_entry)
 
-    op.register_kernel("cuda")(kernel)
+    backends.register_cuda_kernel(op, f"glm53::{name}", "triton", plain, triton_kernel, fallback=_FALLBACK)
 
 
 _register_cuda(_kpool_compress_op, "kpool_compress", ref.compress_reference, "kpool_compress_fwd")
@@ -154,22 +156,14 @@ def _int64_rows(name: str, t, rows) -> None:
         raise ValueError(f"kpool: {name} must have {rows} rows, got {t.shape[0]}")
 
 
-def _eager() -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def validate_cu_seqlens(cu_seqlens, num_tokens: int) -> None:
     """``cu_seqlens`` must be int64 [N+1] (N >= 1); in eager mode also non-decreasing from 0 to T
     (a host-synchronising data check, skipped while tracing or capturing)."""
     _tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=(torch.int64,))
     if cu_seqlens.shape[0] < 2:
         raise ValueError(f"kpool: cu_seqlens must hold N+1 >= 2 offsets, got {cu_seqlens.shape[0]}")
-    if _eager():
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != num_tokens or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"kpool: cu_seqlens must be non-decreasing from 0 to T={num_tokens}, got {cu}")
+    if eager():
+        check_cu_seqlens_values("kpool", cu_seqlens, num_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
