@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "fp8_qdq_reference", "validate_fp8_qdq_inputs"]
+__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "fp8_qdq_reference", "pow2_ceil", "validate_fp8_qdq_inputs"]
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -42,7 +42,7 @@ def validate_fp8_qdq_inputs(x, scale_fmt) -> None:
         raise ValueError(f"fp8_qdq: x must be on cpu or cuda, got {x.device}")
 
 
-def _pow2_ceil(r: torch.Tensor) -> torch.Tensor:
+def pow2_ceil(r: torch.Tensor) -> torch.Tensor:
     """2^ceil(log2 r) for positive normal FP32 r, exactly, from the bit pattern."""
     bits = r.view(torch.int32)
     exponent = (bits >> 23) & 0xFF
@@ -55,7 +55,7 @@ def fp8_qdq_reference(x, scale_fmt):
     a = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     amax = a.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
     ratio = amax / FP8_MAX
-    s = _pow2_ceil(ratio) if scale_fmt == "ue8m0" else ratio
+    s = pow2_ceil(ratio) if scale_fmt == "ue8m0" else ratio
     q = (a / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     out = (q.float() * s).to(x.dtype).reshape(x.shape)
     return out.contiguous(), s.squeeze(-1).contiguous()

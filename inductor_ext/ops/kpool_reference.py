@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from inductor_ext.ops.fp8_qdq import FP8_MAX, pow2_ceil
 from inductor_ext.workspace import logits_view
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
 ]
 
 HEAD_DIM = 128
-FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # serving: tl.maximum(absmax, 1e-4) in compress_kpool and act_quant
 COMPRESS_MODES = ("bf16_reference", "bf16_fp32", "fp8_ue8m0", "fp8_fp32")
 SCALE_FMTS = ("ue8m0", "fp32")
@@ -72,13 +72,13 @@ def quantize_e4m3(x: torch.Tensor, scale_fmt: str, reciprocal: bool) -> tuple[to
     """Per-row (last dim) e4m3 quantization of FP32 ``x [..., 128]``.
 
     amax floored at 1e-4; scale ``amax·fp32(1/448)`` when ``reciprocal`` (pool path) else
-    ``amax/448`` (query path); ``"ue8m0"`` rounds it up to a power of two via
-    ``exp2(ceil(log2(s)))`` in FP32. Returns ``(q float8_e4m3fn [..., 128], scale fp32 [...])``.
+    ``amax/448`` (query path); ``"ue8m0"`` rounds it up to a power of two, exactly, from the FP32
+    bits (:func:`~inductor_ext.ops.fp8_qdq.pow2_ceil`). Returns ``(q float8_e4m3fn [..., 128], scale fp32 [...])``.
     """
     amax = x.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     scale = amax * _INV_FP8_MAX if reciprocal else amax / FP8_MAX
     if scale_fmt == "ue8m0":
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = pow2_ceil(scale)
     q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
