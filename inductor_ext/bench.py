@@ -1,8 +1,8 @@
 """``python -m inductor_ext bench kda``: CUDA-graph replay timing of the KDA chunk op.
 
 Peers timed in the same process at B=1, H=64, K=V=128: flash-linear-attention's public
-``chunk_kda`` on BF16 inputs (L2 norm in kernel), ours ``bf16`` and ours ``fp32`` (BF16 inputs
-promoted inside the op). Forward: p50 / max of single graph replays; forward+backward: the same
+``chunk_kda`` (L2 norm in kernel) on BF16 inputs and on FP32-promoted inputs (the kernels our
+``fp32`` calls), ours ``bf16`` and ours ``fp32`` (BF16 inputs promoted inside the op). Forward: p50 / max of single graph replays; forward+backward: the same
 for a graph that holds the forward and ``torch.autograd.grad`` of all five inputs.
 """
 
@@ -29,16 +29,23 @@ def _inputs(T, H, K, V, device="cuda"):
 
 
 def _peers():
+    """name → (fn(inputs), dtype of q/k/v/beta the peer is fed: promoted before timing, not inside it)."""
     peers = {
-        "ours_bf16": lambda x: kda_chunk(*x.values(), precision="bf16"),
-        "ours_fp32": lambda x: kda_chunk(*x.values(), precision="fp32"),
+        "ours_bf16": (lambda x: kda_chunk(*x.values(), precision="bf16"), torch.bfloat16),
+        "ours_fp32": (lambda x: kda_chunk(*x.values(), precision="fp32"), torch.bfloat16),
     }
     if backends.available("fla"):
         from fla.ops.kda import chunk_kda
 
-        peers = {"fla_chunk_kda_bf16": lambda x: chunk_kda(
-            *x.values(), use_qk_l2norm_in_kernel=True, output_final_state=True), **peers}
+        def fla(x):
+            return chunk_kda(*x.values(), use_qk_l2norm_in_kernel=True, output_final_state=True)
+
+        peers = {"fla_chunk_kda_bf16": (fla, torch.bfloat16), "fla_chunk_kda_fp32": (fla, torch.float32), **peers}
     return peers
+
+
+def _promoted(inputs: dict, dtype: torch.dtype) -> dict:
+    return {n: (x if n == "g" else x.detach().to(dtype).requires_grad_(True)) for n, x in inputs.items()}
 
 
 def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, progress=None) -> dict:
@@ -50,17 +57,18 @@ def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, pr
     for T in tokens:
         inputs = _inputs(T, heads, dim, dim)
         do = torch.randn(1, T, heads, dim, device="cuda").bfloat16()
-        for name, fn in peers.items():
+        for name, (fn, dtype) in peers.items():
             if progress:
                 progress(f"kda T={T} {name}")
+            x = _promoted(inputs, dtype)
 
             def fwd():
                 with torch.no_grad():
-                    fn(inputs)
+                    fn(x)
 
             def fwd_bwd():
-                o, _ = fn(inputs)
-                torch.autograd.grad(o, list(inputs.values()), do)
+                o, _ = fn(x)
+                torch.autograd.grad(o, list(x.values()), do.to(o.dtype))
 
             row = {"tokens": T, "heads": heads, "dim": dim, "peer": name}
             for label, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
