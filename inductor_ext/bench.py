@@ -78,6 +78,9 @@ def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, pr
                 del graph
             row["samples"] = samples
             rows.append(row)
+            if progress:  # each row as soon as it is measured: a run cut short still reports it
+                progress(f"kda T={T} {name}: fwd {row['fwd_p50_us']:.1f} / {row['fwd_max_us']:.1f} us, "
+                         f"fwd+bwd {row['fwd_bwd_p50_us']:.1f} / {row['fwd_bwd_max_us']:.1f} us (p50 / max)")
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "fla": backends.version("fla"), "method": "CUDA-graph replay, CUDA events", "rows": rows}

@@ -89,6 +89,9 @@ def bench_kpool(tokens=16384, heads=(32, 64, 128), topk=2048, samples=50, warmup
             row["score_fraction_of_scaled_mm"] = row["score_tflops"] / peak
             row["select_over_score"] = row["select"]["p50_us"] / row["score"]["p50_us"]
             rows.append(row)
+            if progress:
+                progress(f"kpool H={H} {prec}: " + ", ".join(
+                    f"{n} {row[n]['p50_us']:.0f}" for n in stages) + f" us p50; score {row['score_tflops']:.0f} TFLOP/s")
             torch.cuda.empty_cache()
     return {"scaled_mm_tflops": peak, "rows": rows}
 

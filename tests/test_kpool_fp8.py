@@ -59,7 +59,7 @@ def ref_pools_fp8(k, gate, ape, cu, fmt):
                 mx = torch.maximum(mx, sc)
             acc, den = torch.zeros(D), torch.zeros(D)
             for i, r in enumerate(rows):
-                e = torch.exp(score[i] - mx)
+                e = torch.exp((score[i] - mx).double()).float()  # correctly rounded exp (the contract)
                 den = den + e
                 acc = acc + k[r].float() * e
             x = xor_hadamard((acc / den).bfloat16()).bfloat16().float()

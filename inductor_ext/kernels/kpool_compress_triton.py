@@ -8,12 +8,10 @@ approximate division), the same Hadamard butterflies, and the power-of-two scale
 exponent bits (exactly ``exp2(ceil(log2 s))`` for the FP32 scales that occur: s = bf16 amax ·
 fp32(1/448) or / 448, never within an FP32 ulp above a power of two unless equal to it).
 
-The one step that is not bitwise by construction is ``exp`` in the softmax over the P slots:
-the kernels evaluate it in FP64 and round to FP32, i.e. correctly rounded, while PyTorch's CPU
-``exp`` (SLEEF, <= 1 ulp) is off by one ulp on about 1 % of arguments in [-20, 0] (measured on
-torch 2.13 AVX-512 against FP64). A one-ulp difference in a softmax weight moves the FP32 pool
-value by about one ulp, which changes the BF16-rounded pool only when it sits on a rounding
-boundary: see ``tests/test_kpool_triton.py`` for the measured rate (zero mismatches at test sizes).
+``exp`` in the softmax over the P slots is evaluated in FP64 and rounded to FP32 (correctly
+rounded), in the kernels and in the reference alike: FP32 ``exp`` implementations differ by an ulp
+on about 1 % of arguments (PyTorch's CPU SLEEF vs FP64, measured on torch 2.13), which moved one
+BF16 pool value in 256,000 on the H200 before the reference was changed to the same FP64 exp.
 
 Shapes: T tokens, S pool slots, H heads, D = 128. All launch grids come from static shapes.
 """
@@ -38,12 +36,23 @@ _NO_FMA = {"enable_fp_fusion": False}  # CUDA launch option; the interpreter dro
 def hadamard128_tl(x, R: tl.constexpr):
     """Orthonormal Hadamard-128 of each row of FP32 ``x [R, 128]``: butterflies of stride 1 .. 64
     (low = a + b, high = a - b, as the reference), then × fp32(128^-0.5)."""
-    for level in tl.static_range(7):
-        s: tl.constexpr = 1 << level
-        y = tl.permute(tl.reshape(x, (R, 64 // s, 2, s)), (0, 1, 3, 2))
-        a, b = tl.split(y)
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, 128))
+    # unrolled by hand: the CUDA front end rejects a constexpr stride re-bound in a static loop
+    x = _butterfly_tl(x, R, 1)
+    x = _butterfly_tl(x, R, 2)
+    x = _butterfly_tl(x, R, 4)
+    x = _butterfly_tl(x, R, 8)
+    x = _butterfly_tl(x, R, 16)
+    x = _butterfly_tl(x, R, 32)
+    x = _butterfly_tl(x, R, 64)
     return x * 0.08838834764831845
+
+
+@triton.jit
+def _butterfly_tl(x, R: tl.constexpr, S: tl.constexpr):
+    """One radix-2 level of stride S over each row of ``x [R, 128]``: low = a + b, high = a - b."""
+    y = tl.permute(tl.reshape(x, (R, 64 // S, 2, S)), (0, 1, 3, 2))
+    a, b = tl.split(y)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, 128))
 
 
 @triton.jit

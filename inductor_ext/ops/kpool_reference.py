@@ -8,7 +8,9 @@ number of complete pools over all documents: Σ floor(L_i/P) <= floor(Σ L_i / P
 Numerics that must match the serving kernels (LMDeploy ``compress_kpool`` mode="decode",
 ``rotate_kpool_query``; SGLang ``_hadamard_quantize_fp8``; DeepSeek ``act_quant``):
 
-- pooling, FP32 ("decode" two-pass): m = max_s(gate_s + ape_s); p_s = exp(gate_s + ape_s - m);
+- pooling, FP32 ("decode" two-pass): m = max_s(gate_s + ape_s); p_s = exp(gate_s + ape_s - m)
+  (correctly rounded: FP64 exp, one rounding to FP32; the serving kernel's approximate exp is
+  within ~2 ulp of it);
   acc = Σ_s k_s·p_s and den = Σ_s p_s accumulated slot by slot without FMA; pool = acc / den.
 - Hadamard-128: radix-2 butterflies of stride 1, 2, ..., 64 in FP32 (low = a+b, high = a-b), then
   ×128^-0.5; orthonormal and symmetric.
@@ -147,7 +149,7 @@ def _pool_fp32(kk: torch.Tensor, gg: torch.Tensor, ape: torch.Tensor) -> torch.T
     acc = torch.zeros_like(m)
     den = torch.zeros_like(m)
     for s in range(P):
-        p = torch.exp(scores[s] - m)
+        p = torch.exp((scores[s] - m).double()).float()  # correctly rounded, as the CUDA kernel
         den = den + p
         acc = acc + kk[:, s].float() * p
     return acc / den

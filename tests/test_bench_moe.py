@@ -1,0 +1,44 @@
+"""inductor_ext.bench_moe on CPU: the no-GPU error and the markdown rendering (timing runs on the H200)."""
+
+import pytest
+import torch
+
+from inductor_ext.bench_moe import bench_moe_act, format_moe_act
+
+
+def test_needs_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="bench moe needs a CUDA device"):
+        bench_moe_act(tokens=256, hidden=128, inter=128, samples=2)
+
+
+def _row(name, group, us, nbytes, kernels, vs_plain, pct_copy):
+    return {"name": name, "group": group, "what": f"{name} what", "kernels": kernels, "bytes": nbytes,
+            "p50_us": us, "max_us": us * 1.1, "samples": 50, "gbps": nbytes / (us * 1e-6) / 1e9,
+            "vs_plain": vs_plain, "pct_copy": pct_copy}
+
+
+def test_format_renders_a_result():
+    act = 8192 * 2048 * 2
+    result = {
+        "tokens": 8192, "hidden": 4096, "inter": 2048, "samples": 50, "limit": 10.0, "device": "fake H200",
+        "torch": "2.x", "lmdeploy_peer": False, "copy_gbps": 4000.0,
+        "rows": [_row("copy", "activation", 33.5, 4 * act, 1, 0.7, 100.0),
+                 _row("plain_bf16", "activation", 48.0, 3 * act, 1, 1.0, 52.0),
+                 _row("aligned_fused", "activation", 50.0, 3 * act, None, 1.04, 50.3),
+                 _row("expert_input_fp8_qdq", "expert_input", 40.0, 2 * 8192 * 4096 * 2, 1, None, 84.0)],
+        "targets": {"fused_vs_plain": 1.04, "fused_vs_plain_ok": True, "fused_pct_copy": 50.3,
+                    "fused_pct_copy_ok": False},
+        "bytes_note": "counted at kernel boundaries",
+    }
+    text = format_moe_act(result)
+    lines = text.splitlines()
+    table = [line for line in lines if line.startswith("| ")]
+    assert len(table) == 2 + 4, text  # header, separator, one row per variant
+    assert table[0].startswith("| variant | what | kernels | MB moved")
+    fused = next(line for line in table if line.startswith("| aligned_fused "))
+    assert "| ? |" in fused and "| 1.04 |" in fused and "50.0 / 55.0" in fused, fused
+    expert = next(line for line in table if line.startswith("| expert_input_fp8_qdq "))
+    assert "| – |" in expert and "| 84 % |" in expert, expert
+    assert "1.04× (met)" in text and "50 % (NOT met)" in text, text
+    assert "LMDeploy peers skipped" in text
