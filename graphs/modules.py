@@ -104,8 +104,11 @@ class TopkRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, D]`` → dense FP32 combine weights ``[T, E]`` (zero for experts not picked)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, D]`` → (expert ids ``[T, top_k]`` int64, FP32 combine weights ``[T, top_k]``).
+
+        transformers ``Glm5NextTextTopkRouter`` semantics: weights are the picked sigmoid scores,
+        normalized over the top-k when ``norm_topk_prob``, times ``routed_scaling_factor``."""
         T, E = x.shape[0], self.weight.shape[0]
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
@@ -118,7 +121,7 @@ class TopkRouter(nn.Module):
         w = scores.gather(1, idx)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return torch.zeros_like(scores).scatter(1, idx, w * self.scaling)
+        return idx, w * self.scaling
 
 
 class Experts(nn.Module):
@@ -131,20 +134,51 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(E, D, I) * 0.02)
         self.limit = config.swiglu_limit
 
-    def forward(self, x, weights, prec: PrecisionConfig, scale_fmt: str | None) -> torch.Tensor:
-        """x ``[T, D]``, weights ``[T, E]`` FP32 → ``Σ_e weights[:, e] · expert_e(x)`` in x's dtype.
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, prec: PrecisionConfig,
+                scale_fmt: str | None) -> torch.Tensor:
+        """x ``[T, D]``, indices ``[T, k]`` (expert ids), weights ``[T, k]`` FP32 →
+        ``Σ_j weights[t, j] · expert_{indices[t, j]}(x[t])`` in x's dtype.
 
-        Every expert runs on every token (static shapes, no host sync); tokens an expert did not
-        pick get weight 0. The weighted sum accumulates in FP32 and rounds once (transformers adds
-        per expert in the model dtype: a difference of at most ~1 ulp of the output)."""
+        Routed with static shapes (no host sync, no data-dependent shapes; one graph under
+        ``fullgraph=True``): the T·k (token, expert) pairs are stable-sorted by expert id, the x
+        rows gathered in that order, per-expert end offsets counted by ``searchsorted`` and both
+        projections run as ``torch._grouped_mm`` over the groups (an expert no token picked is an
+        empty group, its weights get an exact zero gradient). Only the picked experts run:
+        6·T·k·D·I forward FLOPs instead of the all-experts 6·T·E·D·I. ``torch._grouped_mm`` takes
+        only BF16 under torch.compile (its meta kernel; eager CPU also takes FP32/FP16) and on CUDA
+        wants 16-byte aligned strides (D, 2I and I multiples of 8).
+
+        Numerics (forward): for every selected (token, expert) pair the projections are the same
+        BF16 matmuls as a per-expert ``F.linear`` (FP32 accumulation, one rounding per element; the
+        summation order inside a dot product is the grouped-mm kernel's), SwiGLU and the optional
+        FP8 quantize-dequantize act on the same rows (per-row groups of 128). The k expert outputs
+        of a token are multiplied by their weight in FP32, summed in FP32 in top-k order and
+        rounded once to x's dtype. That is transformers' ``grouped_mm`` experts path (its default;
+        its eager loop adds per expert in the model dtype, ~1 ulp of the output apart) and the
+        former all-experts form up to the FP32 summation order over the k outputs (a rare 1-ulp
+        BF16 flip for k > 2). The sum runs after un-permuting to ``[T, k, D]``, not through
+        ``index_add``: deterministic, no atomics on CUDA.
+        Backward: expert-weight gradients are per-expert FP32-accumulated sums over that expert's
+        rows (order: the kernel's). The x gradient of each pair comes out of the grouped mm
+        rounded to BF16, then the k pairs of a token are summed in FP32 and rounded once (the
+        all-experts einsum summed all experts in one FP32 contraction: one BF16 rounding less,
+        ~0.3 % relative L2 apart; transformers' grouped_mm path adds the k rows in BF16)."""
+        T, K = indices.shape
+        E, D = self.gate_up_proj.shape[0], x.shape[-1]
         if scale_fmt is not None:
-            x = ops.fp8_qdq(x, scale_fmt=scale_fmt)
-        gate, up = torch.einsum("td,efd->etf", x, self.gate_up_proj).chunk(2, dim=-1)
+            x = ops.fp8_qdq(x, scale_fmt=scale_fmt)  # per row: commutes with the row gather below
+        sorted_ids, order = torch.sort(indices.reshape(-1), stable=True)  # order[s] = t·k + j
+        bounds = torch.arange(1, E + 1, device=indices.device, dtype=sorted_ids.dtype)
+        offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)  # end row of each expert's group
+        xs = x[:, None, :].expand(T, K, D).reshape(T * K, D)[order]
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         act = ops.swiglu(gate, up, limit=self.limit, mode=prec.swiglu)
         if scale_fmt is not None:
             act = ops.fp8_qdq(act, scale_fmt=scale_fmt)
-        y = torch.einsum("etf,edf->etd", act, self.down_proj)
-        return (y.float() * weights.t()[:, :, None]).sum(0).to(x.dtype)
+        y = torch._grouped_mm(act, self.down_proj.transpose(-2, -1), offs=offs)
+        inverse = torch.empty_like(order).scatter(0, order, torch.arange(T * K, device=order.device))
+        y = y[inverse].view(T, K, D)  # back to (token, top-k slot) order
+        return (y.float() * weights[:, :, None]).sum(1).to(x.dtype)
 
 
 class MoE(nn.Module):
@@ -159,5 +193,5 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
         fmt = {"none": None, "fp8_ue8m0": "ue8m0", "fp8_fp32scale": "fp32"}[prec.moe_act]
-        routed = self.experts(x, self.gate(x), prec, fmt)
+        routed = self.experts(x, *self.gate(x), prec, fmt)
         return routed + self.shared_experts(x, prec, fmt)
