@@ -15,6 +15,7 @@ from fla.ops.kda.chunk_bwd import chunk_kda_bwd as _fla_chunk_kda_bwd
 from fla.ops.kda.chunk_fwd import chunk_kda_fwd as _fla_chunk_kda_fwd
 from fla.ops.utils.index import prepare_chunk_indices_static
 
+from inductor_ext.kernels.kda_mask_triton import zero_above_chunk_diagonal
 from inductor_ext.ops.kda import CHUNK
 
 __all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
@@ -47,6 +48,7 @@ def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
         output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         chunk_size=CHUNK, use_graph=cu_seqlens is not None, chunk_offsets=chunk_offsets,
     )
+    zero_above_chunk_diagonal(Aqk, chunk_indices, cu_seqlens)  # fla leaves it unwritten (torch.empty)
     rstd_shape = q.shape[:3]
     return (o.to(out_dtype), final_state, qn, kn, q_rstd.view(rstd_shape), k_rstd.view(rstd_shape), g_cumsum, Aqk, Akk)
 
@@ -67,7 +69,12 @@ def kda_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
     )
     dq = l2norm_bwd(qn, q_rstd.reshape(-1), dq)
     dk = l2norm_bwd(kn, k_rstd.reshape(-1), dk)
+    # with use_graph=True fla returns dv and dh0 in module-global buffers that its next call
+    # overwrites: copy them out (an op's outputs must not alias anything that outlives the call)
     if dh0 is None:  # no initial state: the op still returns a (zero) dh0
         n_states = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
         dh0 = q.new_zeros(n_states, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+    elif cu_seqlens is not None:
+        dh0 = dh0.clone()
+    dv = dv.to(v.dtype, copy=cu_seqlens is not None)
+    return dq.to(q.dtype), dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0

@@ -1,0 +1,50 @@
+"""Zero the entries of a chunk-local ``[B,T,H,64]`` matrix above each chunk's diagonal (CUDA).
+
+flash-linear-attention allocates ``Aqk`` with ``torch.empty`` and writes only its causal part
+(column ``j`` <= row ``i`` inside each 64-token chunk); ``glm53::kda_chunk`` returns it as a
+residual, so the rest must be defined: zero, as in the CPU reference. The kernel only stores
+zeros (no reads), one program per (chunk, batch·head); chunks restart at every document start.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["zero_above_chunk_diagonal"]
+
+
+@triton.jit
+def _zero_above_diagonal_kernel(a_ptr, chunk_indices, cu_seqlens, T, H: tl.constexpr, BT: tl.constexpr,
+                                IS_VARLEN: tl.constexpr):
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + 2 * i_c)
+        i_t = tl.load(chunk_indices + 2 * i_c + 1)
+        valid = i_n >= 0  # fixed-shape chunk list: unused slots carry i_n = -1
+        safe_n = tl.where(valid, i_n, 0)
+        start = tl.load(cu_seqlens + safe_n).to(tl.int64) + i_t * BT
+        end = tl.where(valid, tl.load(cu_seqlens + safe_n + 1).to(tl.int64), start)
+    else:
+        start = i_c.to(tl.int64) * BT
+        end = T
+    r = tl.arange(0, BT)
+    rows = start + r
+    keep = (rows[:, None] < end) & (r[None, :] > r[:, None])
+    ptr = a_ptr + ((i_b * T + rows[:, None]) * H + i_h) * BT + r[None, :]
+    tl.store(ptr, tl.zeros([BT, BT], dtype=a_ptr.dtype.element_ty), mask=keep)
+
+
+def zero_above_chunk_diagonal(a: torch.Tensor, chunk_indices: torch.Tensor | None,
+                              cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """In place on contiguous ``a [B,T,H,BT]``; ``chunk_indices [NT,2]`` (document, chunk) rows of
+    the packed layout (-1 = unused slot) with ``cu_seqlens``, or both None for unpacked batches."""
+    B, T, H, BT = a.shape
+    varlen = cu_seqlens is not None
+    n_chunks = chunk_indices.shape[0] if varlen else triton.cdiv(T, BT)
+    if n_chunks and B * H:
+        _zero_above_diagonal_kernel[(n_chunks, B * H)](
+            a, chunk_indices if varlen else a, cu_seqlens if varlen else a, T, H=H, BT=BT, IS_VARLEN=varlen)
+    return a
