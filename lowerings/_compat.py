@@ -21,10 +21,12 @@ from torch._inductor.utils import run_and_get_code
 
 __all__ = [
     "CustomGraphPass",
+    "cudagraph_trees_recorded",
     "get_hash_for_files",
     "inductor_config",
     "inductor_decomposition",
     "register_inductor_decomposition",
+    "reset_cudagraph_trees",
     "run_and_get_code",
 ]
 
@@ -51,3 +53,36 @@ def register_inductor_decomposition(op: torch._ops.OpOverload, fn: Callable) -> 
 def inductor_decomposition(op: torch._ops.OpOverload) -> Callable | None:
     """The decomposition Inductor uses for ``op`` now (None when it has none)."""
     return _inductor_decomposition.select_decomp_table().get(op)
+
+
+def reset_cudagraph_trees() -> None:
+    """Free every CUDA graph and memory pool that ``mode="reduce-overhead"`` recorded (no-op when
+    none). ``torch._dynamo.reset()`` does this through the backends' ``reset()`` too; calling it
+    directly keeps benchmarks from stacking pools whatever a torch version's reset covers."""
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees as reset
+
+    reset()
+
+
+def cudagraph_trees_recorded(device_index: int) -> int | None:
+    """How many CUDA graphs ``mode="reduce-overhead"`` (cudagraph trees) has recorded on the device
+    since the last ``torch._dynamo.reset()``; ``None`` when this torch's internals differ.
+
+    Walks ``torch._inductor.cudagraph_trees``' manager: ``roots`` and each node's ``children``
+    (dicts of function id → recorded nodes; warm-up runs are not nodes): the same names in 2.13 and
+    in older 2.x sources; guarded all the same.
+    """
+    try:
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+        if manager is None:
+            return 0
+        stack, count = [n for nodes in manager.roots.values() for n in nodes], 0
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(child for nodes in node.children.values() for child in nodes)
+        return count
+    except Exception:  # noqa: BLE001  (a private structure: report unknown rather than fail a benchmark)
+        return None
