@@ -59,7 +59,7 @@ def _run(argv) -> int:
     rep.add_argument("--device", choices=("cpu", "cuda"))
     rep.add_argument("--tokens", type=int, nargs="+", help="token counts of the CUDA timing (default 129 2048 16384)")
     ben = sub.add_parser("bench", help="CUDA-graph replay timing")
-    ben.add_argument("what", choices=("kda", "kpool", "moe", "all"))
+    ben.add_argument("what", choices=("kda", "kpool", "moe", "layer", "all"))
     ben.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
     ben.add_argument("--tokens", type=int, nargs="+")
     ben.add_argument("--samples", type=int, default=50)
@@ -120,6 +120,12 @@ def _run(argv) -> int:
         kw = {"tokens": args.tokens[0]} if args.tokens else {}
         results["moe"] = bench_moe_act(samples=args.samples, progress=progress, **kw)
         print(format_moe_act(results["moe"]))
+    if args.what in ("layer", "all"):
+        from inductor_ext.bench_layer import bench_layer, format_layer
+
+        kw = {"tokens": args.tokens[0]} if args.tokens else {}
+        results["layer"] = bench_layer(samples=min(args.samples, 20), progress=progress, **kw)
+        print(format_layer(results["layer"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}/bench.json")
