@@ -148,3 +148,18 @@ def test_reduce_overhead_replay_equals_eager(kind, variant):
             worst = max(worst, (err, name))
     print(f"[{kind} fwd_bwd] worst parameter-gradient rel L2 {worst[0]:.3e} ({worst[1]})")
     assert worst[0] <= PARAM_GRAD_REL_L2, f"{kind} parameter gradient {worst[1]}: rel L2 {worst[0]:.3e}"
+
+
+def test_compiled_document_indexing_equals_eager():
+    """Packed-document positions and the KPool layout compiled by Inductor (Triton searchsorted)
+    equal eager: torch 2.11 mis-compiled searchsorted over a *sliced* boundary tensor
+    (pytorch/pytorch#182343), which put the first document's tokens at wrong positions."""
+    from graphs.kda_layer import document_positions
+    from inductor_ext.ops import kpool_layout
+
+    cu = torch.tensor([0, 640, 641, 1024], device="cuda")
+    eager = (document_positions(cu, 1024, "cuda"), *kpool_layout(cu, 1024, 4))
+    compiled = torch.compile(lambda c: (document_positions(c, 1024, "cuda"), *kpool_layout(c, 1024, 4)),
+                             fullgraph=True)(cu)
+    for name, a, b in zip(("positions", "pool_token", "q_lo", "q_n", "tail_start", "tail_len"), compiled, eager):
+        assert torch.equal(a, b), f"{name}: compiled differs from eager"

@@ -104,7 +104,9 @@ def layout_reference(cu_seqlens: torch.Tensor, num_tokens: int, pool_size: int):
     S = num_tokens // P
     ndocs = cu.shape[0] - 1
     tok = torch.arange(num_tokens, device=dev, dtype=torch.int64)
-    doc = torch.searchsorted(cu[1:], tok, right=True).clamp_max(ndocs - 1)
+    # whole boundary tensors, never slices (pytorch/pytorch#182343: compiled searchsorted on a sliced
+    # boundary tensor ignored its offset before torch 2.12), in case this kernel is ever traced
+    doc = (torch.searchsorted(cu, tok, right=True) - 1).clamp(0, ndocs - 1)
     doc_start = cu[doc]
     pos = tok - doc_start
     q_n = torch.div(pos + 1, P, rounding_mode="floor")
@@ -112,7 +114,7 @@ def layout_reference(cu_seqlens: torch.Tensor, num_tokens: int, pool_size: int):
     pool_cum = torch.cat((n_pools.new_zeros(1), n_pools.cumsum(0)))
     q_lo = pool_cum[doc]
     slot = torch.arange(S, device=dev, dtype=torch.int64)
-    slot_doc = torch.searchsorted(pool_cum[1:], slot, right=True).clamp_max(ndocs - 1)
+    slot_doc = (torch.searchsorted(pool_cum, slot, right=True) - 1).clamp(0, ndocs - 1)
     first = cu[slot_doc] + P * (slot - pool_cum[slot_doc])
     pool_token = torch.where(slot < pool_cum[-1], first, torch.full_like(first, -1))
     tail_start = doc_start + P * q_n
