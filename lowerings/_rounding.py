@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["round_bf16", "round_fp16", "round_to", "exact", "store", "ulp_distance"]
+__all__ = ["round_bf16", "round_fp16", "round_e4m3", "round_to", "exact", "store", "ulp_distance"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CANONICAL_NAN = 0x7FC00000
 _HIGH_HALF = -65536  # 0xFFFF0000 as int32
+_E4M3_MANTISSA = -1048576  # 0xFFF00000 as int32: sign, exponent and the top 3 mantissa bits
 
 
 def round_bf16(xf: torch.Tensor) -> torch.Tensor:
@@ -50,6 +51,18 @@ def round_fp16(xf: torch.Tensor) -> torch.Tensor:
     mag = xf.abs()
     out = torch.where(mag < 2.0**-14, tiny, normal)
     return torch.where(mag >= 65520.0, xf.sign() * float("inf"), out)
+
+
+def round_e4m3(vf: torch.Tensor) -> torch.Tensor:
+    """FP32 ``vf`` with |vf| <= 448 (or NaN) → the nearest float8_e4m3fn value (ties to even), as
+    FP32, without a float8 cast: Inductor (torch 2.11, Triton) ends a fused kernel at a cast to
+    float8 and materializes its FP32 input, so a cast inside a decomposition costs an extra full
+    write and read. Normal range: the BF16 trick on 20 dropped mantissa bits; below 2⁻⁶ the
+    e4m3 quantum is the fixed 2⁻⁹ (``round`` is half-to-even); NaN stays NaN."""
+    bits = torch.where(torch.isnan(vf), _CANONICAL_NAN, vf.view(torch.int32))
+    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & _E4M3_MANTISSA).view(torch.float32)
+    tiny = torch.round(vf * 2.0**9) * 2.0**-9
+    return torch.where(vf.abs() < 2.0**-6, tiny, normal)
 
 
 def round_to(xf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

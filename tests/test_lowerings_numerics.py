@@ -10,7 +10,8 @@ import torch
 import inductor_ext
 from inductor_ext import ops
 from lowerings._compat import inductor_config
-from lowerings._rounding import round_to, ulp_distance
+from inductor_ext.ops.fp8_qdq import e4m3_cast
+from lowerings._rounding import round_e4m3, round_to, ulp_distance
 
 BF16 = torch.bfloat16
 
@@ -42,6 +43,25 @@ def test_rounding_helpers_match_dtype_casts_when_compiled():
     out = compiled(lambda x: (round_to(x, BF16), round_to(x, torch.float16)), x)
     for got, dtype in zip(out, (BF16, torch.float16)):
         assert max_ulps(got, x.to(dtype).float(), f"round_to {dtype}") == 0
+
+
+def test_round_e4m3_matches_the_float8_cast():
+    """round_e4m3 (integer bits, fuses) equals ``v.to(float8_e4m3fn).float()`` bitwise, eager and
+    compiled, on every BF16 value in [-448, 448], random FP32 patterns scaled into that range,
+    exact ties (normal and subnormal), the subnormal/normal boundary, ±0 and NaN (NaN-equal)."""
+    b = all_bf16(1).flatten().float()
+    b = b[(b.abs() <= 448) | b.isnan()]
+    r = torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int32).view(torch.float32)
+    r = r[r.isfinite()]
+    r = torch.cat([r / r.abs().clamp_min(1e-30) * torch.rand_like(r) * 448, r * 2.0**-120])
+    ties = torch.tensor([1 + 2.0**-4, 1 + 3 * 2.0**-4, 2.0**-10, 3 * 2.0**-10, 2.0**-6 - 2.0**-10,
+                         2.0**-6 - 2.0**-11, 2.0**-6, 416.0 + 16, 448.0, 0.0, -0.0, float("nan")])
+    v = torch.cat([b, r, ties, -ties])
+    want = e4m3_cast(v)
+    nan = v.isnan()  # NaN stays NaN; the payload (the cast keeps the sign) is not part of the contract
+    for name, got in (("eager", round_e4m3(v)), ("compiled", compiled(round_e4m3, v))):
+        assert got[nan].isnan().all(), f"round_e4m3 {name}: NaN lost"
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), f"round_e4m3 {name} differs"
 
 
 def test_swiglu_and_fp8_qdq_bitwise_on_every_bf16_value():

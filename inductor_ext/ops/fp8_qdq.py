@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "fp8_qdq_reference", "pow2_ceil", "validate_fp8_qdq_inputs"]
+__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil",
+           "validate_fp8_qdq_inputs"]
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -50,14 +51,22 @@ def pow2_ceil(r: torch.Tensor) -> torch.Tensor:
     return (exponent << 23).view(torch.float32)
 
 
-def fp8_qdq_reference(x, scale_fmt):
-    """Plain-torch kernel (every device): returns (â in x's dtype, FP32 scales ``[..., D/128]``)."""
+def e4m3_cast(v: torch.Tensor) -> torch.Tensor:
+    """FP32 → the FP32 value of its float8_e4m3fn cast (round to nearest even)."""
+    return v.to(torch.float8_e4m3fn).float()
+
+
+def fp8_qdq_reference(x, scale_fmt, e4m3=e4m3_cast):
+    """Plain-torch kernel (every device): returns (â in x's dtype, FP32 scales ``[..., D/128]``).
+
+    ``e4m3`` rounds the clamped FP32 quotient to e4m3 (default: the dtype cast; the Inductor
+    decomposition passes an integer-bit equivalent that fuses, see ``lowerings/fp8_qdq.py``)."""
     a = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     amax = a.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
     ratio = amax / FP8_MAX
     s = pow2_ceil(ratio) if scale_fmt == "ue8m0" else ratio
-    q = (a / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out = (q.float() * s).to(x.dtype).reshape(x.shape)
+    q = e4m3((a / s).clamp(-FP8_MAX, FP8_MAX))
+    out = (q * s).to(x.dtype).reshape(x.shape)
     return out.contiguous(), s.squeeze(-1).contiguous()
 
 
