@@ -236,15 +236,18 @@ def compare_quant(x: torch.Tensor, mode: str) -> tuple[bool, str]:
         "scale": (s, s_ref), "e4m3": (e4m3_of(xq, s), q_ref), "x_qdq": (xq, dequant(q_ref, s_ref))})
 
 
-def compare_act(gu: torch.Tensor, mode: str) -> tuple[bool, str]:
+def compare_act(gu: torch.Tensor, mode: str) -> tuple[bool, str, float, int]:
+    """(bitwise equal, summary line, fraction of BF16 activations that differ, their max ULPs)."""
     y = ours("act", mode)(gu)
     act, exact, out16, s16 = lmd_bf16_activation(gu)
     coarse = ~exact
     pairs = {"bf16_act": (torch.where(exact, y, act), act)}
     if coarse.any():  # below FP16 resolution of the recovery: compare through the same FP16 map
         pairs["fp16_image(coarse)"] = (fp16_image(y, s16)[coarse], out16[coarse])
-    return check(f"swiglu serving vs v4_swiglu_quant BF16 activation {mode} {tuple(gu.shape)}", pairs,
-                 note=f"{int(coarse.sum())} elements below the FP16 recovery's resolution")
+    ok, line = check(f"swiglu serving vs v4_swiglu_quant BF16 activation {mode} {tuple(gu.shape)}", pairs,
+                     note=f"{int(coarse.sum())} elements below the FP16 recovery's resolution")
+    n, ulp = diff(*pairs["bf16_act"])
+    return ok, line, n / y.numel(), ulp
 
 
 def compare_act_quant(gu: torch.Tensor, mode: str) -> tuple[bool, str]:
@@ -267,7 +270,15 @@ def test_fp8_qdq_matches_lmdeploy_quant_fp8(shape, mode):
 @pytest.mark.parametrize("mode", ACT_MODES)
 @pytest.mark.parametrize("shape", ACT_SHAPES.values(), ids=ACT_SHAPES.keys())
 def test_serving_swiglu_matches_lmdeploy_bf16_activation(shape, mode):
-    report(*compare_act(gate_up_input(*shape, "cuda"), mode))
+    """Bitwise with LMDeploy's exp (``compiled_fast_exp``: ``tl.math.exp``, i.e. ex2.approx). Our
+    contract's exp is the accurate one (ATen ``expf`` eager, libdevice compiled): measured on the
+    H200, 26 of 16,777,216 activations at 8192x2x2048 differ, each by 1 BF16 ULP; the bound is
+    1 ULP on at most 1e-5 of the elements."""
+    ok, line, frac, ulp = compare_act(gate_up_input(*shape, "cuda"), mode)
+    if mode == "compiled_fast_exp" or (ulp > 1 or frac > 1e-5):
+        report(ok, line)
+    else:
+        print(line + f" (accurate exp: {frac:.1e} of the elements within 1 ULP, allowed)")
 
 
 @needs_lmdeploy
