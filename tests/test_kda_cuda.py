@@ -103,14 +103,17 @@ def test_compiled_inductor_and_cuda_graph_capture():
     leaves = [inputs[n].clone().requires_grad_(True) for n in ARGS]
     cu = inputs["cu_seqlens"]
 
-    def step():
-        o, s = ops.kda_chunk(*leaves, cu_seqlens=cu)
-        return torch.autograd.grad(o.float().square().sum() + s.sum(), leaves)
+    def step(ls=leaves):
+        o, s = ops.kda_chunk(*ls, cu_seqlens=cu)
+        return torch.autograd.grad(o.float().square().sum() + s.sum(), ls)
 
     compiled_fwd = torch.compile(lambda *a: ops.kda_chunk(*a, cu_seqlens=cu)[0], backend="inductor", fullgraph=True)
     for prec in ("bf16", "fp32"):
         with inductor_ext.precision(PrecisionConfig(kda=prec)):
-            eager = step()
+            # the eager reference runs on copies: autograd on the captured leaves on the default
+            # stream would leave their AccumulateGrad nodes there, and capture then fails with
+            # "operation would make the legacy stream depend on a capturing blocking stream"
+            eager = step([x.detach().clone().requires_grad_(True) for x in leaves])
             static = {}
             graph = timing.capture(lambda: static.update(grads=step()))  # fails on any host sync
             for grad in static["grads"]:
