@@ -24,12 +24,14 @@ def _expected(a, lengths):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [3, 32])  # head blocks of 1 and of 16
 @pytest.mark.parametrize("lengths", [[130], [37, 28], [64, 1, 70]], ids=["single", "packed", "boundaries"])
-def test_zeroes_exactly_the_upper_chunk_triangles(device, lengths):
+def test_zeroes_exactly_the_upper_chunk_triangles(device, lengths, heads):
     from inductor_ext.ops.kda import CHUNK
 
-    T, H = sum(lengths), 3
-    a = torch.full((1, T, H, CHUNK), float("nan"), device=device).bfloat16()
+    T, H = sum(lengths), heads
+    B = 2 if len(lengths) == 1 else 1
+    a = torch.full((B, T, H, CHUNK), float("nan"), device=device).bfloat16()
     a.view(torch.int16).random_(-30000, 30000)
     a = a.nan_to_num(0.5)
     want = _expected(a.clone(), lengths)

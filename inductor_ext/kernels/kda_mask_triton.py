@@ -3,7 +3,8 @@
 flash-linear-attention allocates ``Aqk`` with ``torch.empty`` and writes only its causal part
 (column ``j`` <= row ``i`` inside each 64-token chunk); ``glm53::kda_chunk`` returns it as a
 residual, so the rest must be defined: zero, as in the CPU reference. The kernel only stores
-zeros (no reads), one program per (chunk, batch·head); chunks restart at every document start.
+zeros (no reads), one program per (chunk, batch, block of up to 16 heads); chunks restart at
+every document start.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ __all__ = ["zero_above_chunk_diagonal"]
 
 
 @triton.jit
-def _zero_above_diagonal_kernel(a_ptr, chunk_indices, cu_seqlens, T, H: tl.constexpr, BT: tl.constexpr,
-                                IS_VARLEN: tl.constexpr):
+def _zero_above_diagonal_kernel(a_ptr, chunk_indices, cu_seqlens, T, H: tl.constexpr, HB: tl.constexpr,
+                                BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    # one program per (chunk, batch, block of HB heads): a [BT, HB·BT] tile whose rows are
+    # contiguous in memory (token-major layout), so few programs write long coalesced runs
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b, h0 = i_bh // (H // HB), (i_bh % (H // HB)) * HB
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + 2 * i_c)
         i_t = tl.load(chunk_indices + 2 * i_c + 1)
@@ -31,10 +34,18 @@ def _zero_above_diagonal_kernel(a_ptr, chunk_indices, cu_seqlens, T, H: tl.const
         start = i_c.to(tl.int64) * BT
         end = T
     r = tl.arange(0, BT)
+    j = tl.arange(0, HB * BT)  # head h0 + j // BT, column j % BT
     rows = start + r
-    keep = (rows[:, None] < end) & (r[None, :] > r[:, None])
-    ptr = a_ptr + ((i_b * T + rows[:, None]) * H + i_h) * BT + r[None, :]
-    tl.store(ptr, tl.zeros([BT, BT], dtype=a_ptr.dtype.element_ty), mask=keep)
+    keep = (rows[:, None] < end) & ((j % BT)[None, :] > r[:, None])
+    ptr = a_ptr + ((i_b * T + rows[:, None]) * H + h0) * BT + j[None, :]
+    tl.store(ptr, tl.zeros([BT, HB * BT], dtype=a_ptr.dtype.element_ty), mask=keep)
+
+
+def _head_block(H: int) -> int:
+    hb = 1
+    while hb < 16 and H % (2 * hb) == 0:
+        hb *= 2
+    return hb
 
 
 def zero_above_chunk_diagonal(a: torch.Tensor, chunk_indices: torch.Tensor | None,
@@ -44,7 +55,9 @@ def zero_above_chunk_diagonal(a: torch.Tensor, chunk_indices: torch.Tensor | Non
     B, T, H, BT = a.shape
     varlen = cu_seqlens is not None
     n_chunks = chunk_indices.shape[0] if varlen else triton.cdiv(T, BT)
+    hb = _head_block(H)
     if n_chunks and B * H:
-        _zero_above_diagonal_kernel[(n_chunks, B * H)](
-            a, chunk_indices if varlen else a, cu_seqlens if varlen else a, T, H=H, BT=BT, IS_VARLEN=varlen)
+        _zero_above_diagonal_kernel[(n_chunks, B * (H // hb))](
+            a, chunk_indices if varlen else a, cu_seqlens if varlen else a, T, H=H, HB=hb, BT=BT,
+            IS_VARLEN=varlen, num_warps=8)
     return a
