@@ -8,9 +8,10 @@ Protocol (CPU, reduced model from ``graphs/``):
    (a trained model's 1–3 nats).
 2. Roll out: sample ``new_tokens`` response tokens per prompt from the serving-numerics forward
    (:class:`graphs.serving.ServingForward`: recurrent FP32 KDA, FP8 indexer, FP32 mHC post, serving
-   SwiGLU, FP8 ue8m0 MoE activations, FP32 indexer head projection), seeded, temperature 1, one full
-   re-forward of the packed sequences per step. The serving log-probabilities are the ones each
-   sampling step saw.
+   SwiGLU, FP8 ue8m0 MoE activations, FP32 indexer head projection), seeded, temperature 1, decoded
+   incrementally with caches (:class:`graphs.decode.ServingDecoder`, one token per sequence per
+   step; on CPU bitwise the logits of a full re-forward of the packed sequences). The serving
+   log-probabilities are the ones each sampling step saw.
 3. Teacher-force the same tokens through the compiled training model (``torch.compile``,
    ``fullgraph=True``; backend ``aot_eager`` by default) under each arm's config. Per arm, over all
    response tokens: ``k3 = mean(exp(r) − 1 − r)`` with ``r = log p_train(y) − log p_serve(y)`` of the
@@ -134,21 +135,27 @@ def calibrate(model, prompts: torch.Tensor, target_entropy: float, serve=None) -
 
 @torch.no_grad()
 def rollout(serve, prompts: torch.Tensor, new_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``new_tokens`` tokens per prompt from ``serve`` (temperature 1, seeded generator), one
-    full re-forward of the packed sequences per step.
+    """Sample ``new_tokens`` tokens per prompt from ``serve`` (temperature 1, seeded generator):
+    one prefill of the packed prompts, then one incremental decode step (one token per sequence,
+    :class:`graphs.decode.ServingDecoder` with KDA-state / conv-window / MLA / indexer caches) per
+    sampled token. On CPU its logits are bitwise the last-position logits of a full re-forward of the packed
+    sequences (``tests/test_decode.py``), so the samples are those of a full re-forward rollout.
 
     Returns ``(sequences int64 [n, prompt_len + new_tokens], serving log-probs FP32 [n, new_tokens, V])``:
     the log-softmax each sampling step drew from."""
+    from graphs.decode import ServingDecoder
+
     gen = torch.Generator().manual_seed(seed + 2)
     seqs, logps = prompts.clone(), []
-    n = prompts.shape[0]
-    for _ in range(new_tokens):
-        ids, cu = _packed(seqs)
-        logits = serve(ids, cu).view(n, seqs.shape[1], -1)[:, -1]
+    decoder = ServingDecoder(serve)
+    logits, cache = decoder.prefill(prompts)
+    for i in range(new_tokens):
         logp = torch.log_softmax(logits.float(), dim=-1)
         tok = torch.multinomial(logp.exp(), 1, generator=gen)
         seqs = torch.cat([seqs, tok], dim=1)
         logps.append(logp)
+        if i + 1 < new_tokens:
+            logits, cache = decoder.step(tok[:, 0], cache)
     return seqs, torch.stack(logps, dim=1)
 
 

@@ -1,0 +1,359 @@
+"""Incremental serving decode: one token per sequence per step, with per-layer caches.
+
+:class:`ServingDecoder` runs the layers of a :class:`~graphs.serving.ServingForward` (same modules,
+same weights, same precision choices, no copy) on ``n`` sequences of equal length:
+``prefill(prompts [n, L])`` runs the packed prompts once and builds the caches, ``step(tokens [n])``
+appends one token per sequence and returns its next-token logits. The logits equal the
+last-position logits of ``ServingForward`` on the packed prefixes (``tests/test_decode.py``).
+
+Caches (:class:`DecodeCache`, updated in place; buffers grow by doubling):
+
+- KDA layer (serving core ``ops.kda_recurrent``): the FP32 recurrent state ``[n, H, K, V]`` and the
+  short-conv window, the last ``kernel - 1`` *pre-conv* q/k/v projection rows ``[n, kernel-1, 3HK]``
+  in the model dtype. A step runs the layer on ``n`` one-token documents: the conv of the new row
+  reads the window with the document-position mask of :meth:`LinearAttention.short_conv` (same
+  FP32 sum order), the recurrence starts from the cached state (``initial_state``), which the
+  reference recurrence carries token by token exactly as in the full run.
+- DSA layer: MLA keys and values ``[n, t, H, d]`` (``kv_b_proj`` output: the sparse attention's
+  k and v), and for a layer with its own indexer the KPool indexer's per-token key and compression
+  gate (``kpool_project``, model dtype) plus the compressed pools ``[n, t // P, 128]`` with their
+  FP32 scales (``kpool_compress``; one new pool per sequence whenever a step completes one). The
+  new query is scored against the cached pools of all sequences laid out as the packed forward
+  lays them out (slot ``i·(t//P) + p``), and ``kpool_select`` picks with the same causal metadata
+  (``q_lo``, ``q_n``, ``tail_start``, ``tail_len``) the packed forward gives that position, so the
+  token ids are the packed forward's (global ids ``i·t + j``); a ``"shared"`` layer reuses them.
+  Sparse attention (``attention="prefix"``, default): the eager kernel's steps over the query's
+  own sequence, its t cached keys masked to the selected ids (O(t) per query; the packed kernel
+  runs them over all T columns, the other sequences' being -inf / exact zeros).
+  ``attention="gather"`` gathers the W selected keys/values (O(topk) per query, the serving
+  engine's way): same math, FP32 sums in another order, so rare 1-ulp BF16 differences.
+- mHC, RMSNorms, MLP / MoE, embedding, final norm and lm_head are per token: no cache.
+
+Per step the cost is one token per sequence through every per-token module, O(1) for KDA, and
+O(t) for a DSA layer (pool scoring over the prefix's t/P pools, attention over t or topk keys).
+Forward only, eager; call under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from graphs.kda_layer import LinearAttention, document_positions
+from graphs.serving import ServingForward
+from inductor_ext import ops
+from inductor_ext.ops.kpool import kpool_compress, kpool_layout, kpool_logits, kpool_project, \
+    kpool_quant_query, kpool_select
+
+__all__ = ["ServingDecoder", "DecodeCache"]
+
+_INDEXER_EPS = 1e-6  # ops.kpool_indexer's default, as Indexer.forward calls it
+_SCALE_FMT = "ue8m0"  # ditto
+
+
+# MKL's FP32 sgemm (torch 2.13 CPU, AVX512) rounds a row's last FP32 bit differently for small
+# row counts: measured for F.linear(z[:M], fn) ([M, 512] x [24, 512], mhc_pre's projection) against
+# the same rows inside M = 4096, every row differs for M in {1, 2, 3, 5, 6, 7, 9, 10, 11} and none
+# for M = 4, 8 and every M >= 12. mhc_pre's FP32 projection, the MoE router and the FP32 indexer head
+# projection are such linears, and a packed forward of many tokens runs them with M >= 12, so a step
+# of fewer than 12 sequences runs on copies of the last sequence up to 12 rows (dropped from the
+# outputs) to stay bitwise equal to the full re-forward. (Only matching a reference that itself
+# depends on its batch size; GPU GEMMs have their own heuristics.)
+_MIN_ROWS = 12
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    if t.shape[0] >= _MIN_ROWS:
+        return t
+    return torch.cat([t, t[-1:].expand(_MIN_ROWS - t.shape[0], *t.shape[1:])], dim=0)
+
+
+class _Buffer:
+    """``[n, length, *rest]`` tensor appended along dim 1, capacity doubling (amortized O(1) per row)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.length = data.shape[1]
+        cap = max(8, 2 * self.length)
+        self.data = data.new_zeros(data.shape[0], cap, *data.shape[2:])
+        self.data[:, : self.length] = data
+
+    def append(self, rows: torch.Tensor) -> None:
+        """rows ``[n, *rest]``."""
+        if self.length == self.data.shape[1]:
+            grown = self.data.new_zeros(self.data.shape[0], 2 * self.data.shape[1], *self.data.shape[2:])
+            grown[:, : self.length] = self.data
+            self.data = grown
+        self.data[:, self.length] = rows
+        self.length += 1
+
+    def append_many(self, rows: torch.Tensor) -> None:
+        for j in range(rows.shape[1]):
+            self.append(rows[:, j])
+
+    def view(self) -> torch.Tensor:
+        return self.data[:, : self.length]
+
+
+@dataclasses.dataclass
+class DecodeCache:
+    """Per-layer caches of ``num_seqs`` sequences of ``length`` tokens each (see the module doc;
+    fewer than 12 sequences are cached with padding copies of the last one, see ``_MIN_ROWS``).
+    ``layers[i]`` is a dict: KDA ``{"state", "window"}``; DSA ``{"k", "v"}`` (+ ``{"ik", "igate",
+    "pool", "pool_scale"}`` with an own indexer)."""
+
+    num_seqs: int
+    length: int
+    layers: list
+
+
+class ServingDecoder:
+    """Incremental decode over ``serve``'s model, weights and precision (see the module doc)."""
+
+    ATTENTION = ("prefix", "gather")
+
+    def __init__(self, serve: ServingForward, attention: str = "prefix"):
+        if not isinstance(serve, ServingForward):
+            raise ValueError(f"ServingDecoder: serve must be a ServingForward, got {type(serve).__name__}")
+        if attention not in self.ATTENTION:
+            raise ValueError(f"ServingDecoder: attention must be one of {self.ATTENTION}, got {attention!r}")
+        self.attention = attention
+        self.serve = serve
+        self.model = serve.model
+        self.config = serve.model.config
+
+    @property
+    def precision(self):
+        return self.serve.precision
+
+    # ------------------------------------------------------------------ public API
+
+    @torch.no_grad()
+    def prefill(self, prompts: torch.Tensor) -> tuple[torch.Tensor, DecodeCache]:
+        """prompts int64 ``[n, L]`` → (next-token logits ``[n, V]`` (model dtype), cache)."""
+        if prompts.dtype != torch.int64 or prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.shape[0] < 1:
+            raise ValueError(f"ServingDecoder.prefill: prompts must be int64 [n, L>=1], got "
+                             f"{prompts.dtype} {tuple(prompts.shape)}")
+        num_seqs = prompts.shape[0]
+        prompts = _pad_rows(prompts)
+        n, L = prompts.shape
+        cu = torch.arange(n + 1, dtype=torch.int64, device=prompts.device) * L
+        streams = self._embed(prompts.reshape(-1))
+        caches, ids = [], None
+        for layer in self.model.layers:
+            streams, ids, cache = self._layer(layer, streams, ids, n, L, cu=cu)
+            caches.append(cache)
+        logits = self._head(streams.view(n, L, *streams.shape[1:])[:, -1])
+        return logits[:num_seqs], DecodeCache(num_seqs, L, caches)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, cache: DecodeCache) -> tuple[torch.Tensor, DecodeCache]:
+        """tokens int64 ``[n]`` (one new token per sequence) → (its next-token logits ``[n, V]``,
+        cache, updated in place and returned)."""
+        if not isinstance(cache, DecodeCache):
+            raise ValueError(f"ServingDecoder.step: cache must be a DecodeCache, got {type(cache).__name__}")
+        if tokens.dtype != torch.int64 or tuple(tokens.shape) != (cache.num_seqs,):
+            raise ValueError(f"ServingDecoder.step: tokens must be int64 [{cache.num_seqs}], got "
+                             f"{tokens.dtype} {tuple(tokens.shape)}")
+        tokens = _pad_rows(tokens)
+        n, t = tokens.shape[0], cache.length + 1  # n: rows incl. padding; t: length after appending
+        streams = self._embed(tokens)
+        ids = None
+        for i, layer in enumerate(self.model.layers):
+            streams, ids, cache.layers[i] = self._layer(layer, streams, ids, n, t, cache=cache.layers[i])
+        cache.length = t
+        return self._head(streams)[: cache.num_seqs], cache
+
+    # ------------------------------------------------------------------ model pieces
+
+    def _embed(self, tokens):
+        x = self.model.embed_tokens(tokens)
+        return x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def _head(self, streams):
+        return self.model.lm_head(self.model.norm(streams.mean(dim=1)))
+
+    def _layer(self, layer, streams, prev_ids, n, t, cu=None, cache=None):
+        """DecoderLayer.forward (serving) on ``streams`` ``[rows, N, D]``: the packed prompts
+        (``cu`` given, builds the cache) or one new token per sequence (``cache`` given)."""
+        prec = self.precision
+        x, post, comb = layer.attn_hc(streams)
+        x = layer.input_layernorm(x)
+        ids = None
+        if layer.kind == "linear_attention":
+            x, cache = self._kda(layer.self_attn, x, n, t, cu, cache)
+        else:
+            x, ids, cache = self._dsa(layer.self_attn, x, prev_ids, n, t, cu, cache)
+        streams = ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post)
+        x, post, comb = layer.ffn_hc(streams)
+        x = layer.mlp(layer.post_attention_layernorm(x), prec)
+        return ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post), ids, cache
+
+    # ------------------------------------------------------------------ KDA
+
+    def _kda(self, attn: LinearAttention, x, n, t, cu, cache):
+        """LinearAttention.forward(serving=True); prefill (``cu``) or one step (``cache``)."""
+        H, K, W = attn.num_heads, attn.head_dim, attn.kernel - 1
+        rows = x.shape[0]
+        raw = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)  # [rows, C]
+        if cu is not None:
+            pos = document_positions(cu, rows, x.device)
+            qkv = attn.short_conv(raw, pos)
+            per_seq = raw.view(n, t, -1)
+            window = per_seq[:, max(t - W, 0):]
+            if window.shape[1] < W:  # short prompt: rows before the document start are masked anyway
+                window = torch.cat([window.new_zeros(n, W - window.shape[1], window.shape[2]), window], 1)
+            state0, kda_cu = None, cu
+        else:
+            qkv = self._conv_step(attn, raw, cache["window"], t - 1)
+            window = torch.cat([cache["window"][:, 1:], raw[:, None]], dim=1) if W > 0 else cache["window"]
+            state0 = cache["state"]
+            kda_cu = torch.arange(n + 1, dtype=torch.int64, device=x.device)  # n one-token documents
+        q, k, v = (u.reshape(1, rows, H, K) for u in qkv.chunk(3, dim=-1))
+        g = attn.forget_gate(x).unsqueeze(0)
+        beta = torch.sigmoid(attn.b_proj(x)).unsqueeze(0)
+        o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=state0, cu_seqlens=kda_cu)
+        gate = attn.g_b_proj(attn.g_a_proj(x)).view(rows, H, K)
+        o = attn.o_norm(o[0], gate).reshape(rows, -1)
+        return attn.o_proj(o), {"state": state, "window": window}
+
+    @staticmethod
+    def _conv_step(attn: LinearAttention, raw, window, pos: int):
+        """LinearAttention.short_conv of one new row per sequence at document position ``pos``:
+        ``silu(x_t·w[K-1] + Σ_s [pos ≥ s]·x_{t-s}·w[K-1-s])`` in FP32, same order of sums."""
+        xf, w = raw.float(), attn.conv1d.weight.float()[:, 0, :]
+        out = xf * w[:, attn.kernel - 1]
+        W = attn.kernel - 1
+        for s in range(1, attn.kernel):
+            shifted = window[:, W - s].float() if pos >= s else torch.zeros_like(xf)  # before the doc start
+            out = out + shifted * w[:, attn.kernel - 1 - s]
+        return F.silu(out).to(raw.dtype)
+
+    # ------------------------------------------------------------------ DSA
+
+    def _dsa(self, attn, x, prev_ids, n, t, cu, cache):
+        """IndexedAttention.forward; prefill (``cu``: the layer's own forward + cache) or one step."""
+        prec = self.precision
+        if cu is not None:
+            out, ids = attn(x, cu, prev_ids, prec)
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+            k, v = self._mla_kv(attn, x)
+            cache = {"k": _Buffer(k.view(n, t, *k.shape[1:])), "v": _Buffer(v.view(n, t, *v.shape[1:]))}
+            if attn.indexer is not None:
+                ik, igate, _ = self._project(attn.indexer, x)
+                P = attn.indexer.pool
+                pool_token = kpool_layout(cu, n * t, P)[0]
+                pool, scale = self._compress(ik, igate, attn.indexer, pool_token)
+                S = t // P  # complete pools per sequence: the first n·S slots, in sequence order
+                cache.update(ik=_Buffer(ik.view(n, t, -1)), igate=_Buffer(igate.view(n, t, -1)),
+                             pool=_Buffer(pool[: n * S].view(n, S, pool.shape[-1])),
+                             pool_scale=_Buffer(scale[: n * S].view(n, S)))
+            return out, ids, cache
+
+        T = x.shape[0]  # = n
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+        q = attn.q_b_proj(q_resid).view(T, attn.num_heads, attn.nope)
+        k, v = self._mla_kv(attn, x)
+        cache["k"].append(k)
+        cache["v"].append(v)
+        if attn.indexer is not None:
+            ids = self._index_step(attn.indexer, x, q_resid, n, t, cache)
+        elif prev_ids is None:
+            raise ValueError("ServingDecoder: a shared-indexer layer needs the previous DSA layer's token ids")
+        else:
+            ids = prev_ids
+        fn = self._prefix_attention if self.attention == "prefix" else self._gather_attention
+        out = fn(q, cache["k"].view(), cache["v"].view(), ids, t, attn.scale)
+        return attn.o_proj(out.reshape(T, -1)), ids, cache
+
+    @staticmethod
+    def _mla_kv(attn, x):
+        kv = attn.kv_b_proj(attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x))).view(x.shape[0], attn.num_heads, -1)
+        k, v = kv.split([attn.nope, attn.v_dim], dim=-1)
+        return k, v
+
+    def _project(self, idx, x):
+        return kpool_project(x, idx.wk.weight, idx.k_norm.weight, idx.k_norm.bias, idx.weights_proj.weight,
+                             idx.index_kpool_compress_gate, eps=_INDEXER_EPS, head_proj=self.precision.head_proj)
+
+    def _compress(self, k, gate, idx, pool_token):
+        """kpool_compress as ops.kpool_indexer calls it under the serving precision."""
+        prec = self.precision
+        if prec.kpool == "bf16":
+            mode = "bf16_reference" if prec.kpool_pooling == "reference" else "bf16_fp32"
+            k, gate = k.to(torch.bfloat16), gate.to(torch.bfloat16)
+        else:
+            mode = f"fp8_{_SCALE_FMT}"
+        return kpool_compress(k, gate, idx.index_kpool_compress_ape, pool_token, mode=mode)
+
+    def _index_step(self, idx, x, q_resid, n, t, cache):
+        """ops.kpool_indexer's row of the new token of each sequence (packed-prefix coordinates)."""
+        prec = self.precision
+        P, dev = idx.pool, x.device
+        ik, igate, w = self._project(idx, x)
+        cache["ik"].append(ik)
+        cache["igate"].append(igate)
+        if t % P == 0:  # the new token completes pool t/P - 1 of every sequence
+            last_k = cache["ik"].view()[:, t - P:].reshape(n * P, -1)
+            last_g = cache["igate"].view()[:, t - P:].reshape(n * P, -1)
+            token0 = torch.arange(n, dtype=torch.int64, device=dev) * P
+            pool, scale = self._compress(last_k, last_g, idx, token0)
+            cache["pool"].append(pool)
+            cache["pool_scale"].append(scale)
+        H = idx.weights_proj.weight.shape[0]
+        with torch.autocast(device_type=dev.type, enabled=False):
+            q = F.linear(q_resid, idx.wq_b.weight).view(n, H, -1)
+        if prec.kpool == "bf16":
+            q = q.to(torch.bfloat16)
+        else:
+            q, w = kpool_quant_query(q, w, scale_fmt=_SCALE_FMT)
+        S = t // P
+        pools, scales = cache["pool"].view(), cache["pool_scale"].view()
+        if S == 0:  # no complete pool yet: one unused slot (score 0, never visible)
+            pools, scales = pools.new_zeros(1, pools.shape[-1]), scales.new_zeros(1)
+        else:
+            pools, scales = pools.reshape(n * S, pools.shape[-1]), scales.reshape(n * S)
+        logits = kpool_logits(q, w, pools, scales, precision=prec.kpool, layout=prec.mqa_layout)
+        seq = torch.arange(n, dtype=torch.int64, device=dev)
+        q_n = torch.full((n,), S, dtype=torch.int64, device=dev)
+        tail_start = seq * t + P * q_n
+        ids = kpool_select(logits, seq * S, q_n, tail_start, t - P * q_n, topk=idx.topk, pool_size=P,
+                           tail="compact" if idx.select_tail else "fixed")
+        return ids if idx.select_tail else ids[:, : idx.topk]
+
+    @staticmethod
+    def _prefix_attention(q, k_cache, v_cache, ids, t, scale):
+        """The eager sparse kernel on query i's own sequence: scores over its t cached keys
+        (bf16, ·scale), masked to the selected ids, FP32 softmax → model dtype, ``p·v`` over the t
+        keys. The packed kernel does the same over all T columns, the other sequences' columns being
+        -inf / exact zeros. O(t) per query. q ``[n, H, d]``, caches ``[n, t, H, d]``, ids ``[n, W]``
+        packed-coordinate ids (``i·t + j``) → ``[n, H, dv]``."""
+        n = q.shape[0]
+        ids = ids.long()
+        rows = torch.arange(n, device=ids.device)[:, None]
+        local = torch.where(ids >= 0, ids - rows * t, t)  # -1 → a spare column, dropped below
+        mask = torch.zeros(n, t + 1, dtype=torch.bool, device=ids.device).scatter(1, local, True)[:, :t]
+        scores = torch.matmul(q.unsqueeze(2), k_cache.permute(0, 2, 3, 1)) * scale  # [n, H, 1, t]
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v_cache.permute(0, 2, 1, 3))[:, :, 0]
+
+    @staticmethod
+    def _gather_attention(q, k_cache, v_cache, ids, t, scale):
+        """Attention of query i over the cached keys its packed-coordinate ids select, gathered:
+        the eager sparse kernel's steps (bf16 scores·scale, FP32 softmax → model dtype, p·v) over the
+        W selected columns only, O(W) per query (the serving engine's way; its FP32 sums run in
+        another order than the packed kernel's, rare 1-ulp BF16 differences).
+        q ``[n, H, d]``, caches ``[n, t, H, d]``, ids ``[n, W]`` → ``[n, H, dv]``."""
+        n = q.shape[0]
+        ids = ids.long()
+        valid = ids >= 0
+        rows = torch.arange(n, device=ids.device)[:, None]
+        local = torch.where(valid, ids - rows * t, 0)  # the query's own sequence only (causal selection)
+        ks = k_cache[rows, local].permute(0, 2, 3, 1)  # [n, H, d, W]
+        vs = v_cache[rows, local].permute(0, 2, 1, 3)  # [n, H, W, dv]
+        scores = torch.matmul(q.unsqueeze(2), ks) * scale  # [n, H, 1, W]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, vs)[:, :, 0]
