@@ -64,7 +64,7 @@ def _run(argv) -> int:
     ben.add_argument("--tokens", type=int, nargs="+")
     ben.add_argument("--samples", type=int, default=50)
     sub.add_parser("doctor", help="versions, usable back-ends, which kernel each op takes")
-    mis = sub.add_parser("mismatch", help="fixed-token train/serve mismatch-KL ablation over PrecisionConfig arms (CPU)")
+    mis = sub.add_parser("mismatch", help="fixed-token train/serve mismatch-KL ablation over PrecisionConfig arms")
     mis.add_argument("--out", type=pathlib.Path, default=pathlib.Path("mismatch_out"))
     mis.add_argument("--seed", type=int, default=0)
     mis.add_argument("--seqs", type=int, default=8, help="sampled sequences (default 8)")
@@ -74,6 +74,9 @@ def _run(argv) -> int:
     mis.add_argument("--compile", choices=("aot_eager", "inductor", "eager", "none"), default="aot_eager",
                      help="torch.compile backend of the training model (default aot_eager; none = eager)")
     mis.add_argument("--arms", nargs="+", help="subset of arms (default: reference, every path, serving_aligned)")
+    mis.add_argument("--preset", choices=("tiny", "h200_stack"), default="tiny",
+                     help="model: tiny (CPU, default) or h200_stack (3 KDA + 1 DSA at h200 widths, 32 experts; CUDA)")
+    mis.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
@@ -89,7 +92,8 @@ def _run(argv) -> int:
             if bad:
                 raise ValueError(f"unknown arm(s) {bad}; choose from {list(arms)}")
             arms = {a: arms[a] for a in args.arms}
-        settings = MismatchSettings(seed=args.seed, num_seqs=args.seqs, prompt_len=args.prompt_len,
+        settings = MismatchSettings(preset=args.preset, device=args.device, seed=args.seed, num_seqs=args.seqs,
+                                    prompt_len=args.prompt_len,
                                     new_tokens=args.new_tokens, target_entropy=args.entropy, compile=args.compile)
         result = run_mismatch(settings, arms=arms, progress=progress)
         print(format_table(result))

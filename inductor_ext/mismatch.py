@@ -1,6 +1,6 @@
 """Fixed-token training/serving mismatch-KL ablation over :class:`PrecisionConfig` arms.
 
-Protocol (CPU, reduced model from ``graphs/``):
+Protocol (reduced model from ``graphs/``: ``tiny`` on the CPU, ``h200_stack`` on CUDA):
 
 1. Build the model (random weights, seeded) in BF16 and *calibrate* it: random weights give nearly
    uniform next-token distributions, which hide mismatch, so the lm_head weight is scaled until the
@@ -34,10 +34,12 @@ import torch
 
 from inductor_ext.config import PrecisionConfig, precision
 
-__all__ = ["MismatchSettings", "path_fields", "default_arms", "build_model", "make_prompts", "calibrate",
-           "rollout", "score", "run_mismatch", "format_table", "write_json"]
+__all__ = ["MismatchSettings", "PRESETS", "path_fields", "default_arms", "stack_config", "build_model", "make_prompts",
+           "calibrate", "rollout", "score", "run_mismatch", "format_table", "write_json"]
 
 COMPILE_BACKENDS = ("aot_eager", "inductor", "eager", "none")
+PRESETS = ("tiny", "h200_stack")  # h200_stack: issue 8's stack, CUDA only (see stack_config)
+DEVICES = ("cpu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,7 @@ class MismatchSettings:
     """Knobs of one ablation run (the defaults are the CLI's)."""
 
     preset: str = "tiny"
+    device: str = "cpu"
     seed: int = 0
     num_seqs: int = 4
     prompt_len: int = 16
@@ -53,8 +56,12 @@ class MismatchSettings:
     compile: str = "aot_eager"  # training-model torch.compile backend; "none" = eager
 
     def __post_init__(self) -> None:
-        if self.preset != "tiny":
-            raise ValueError(f"mismatch: only the 'tiny' preset runs on CPU, got {self.preset!r}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"mismatch: preset must be one of {PRESETS}, got {self.preset!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"mismatch: device must be one of {DEVICES}, got {self.device!r}")
+        if self.preset == "h200_stack" and self.device != "cuda":
+            raise ValueError("mismatch: the h200_stack preset needs --device cuda (a GPU machine); use tiny on CPU")
         if self.compile not in COMPILE_BACKENDS:
             raise ValueError(f"mismatch: compile must be one of {COMPILE_BACKENDS}, got {self.compile!r}")
         for name in ("num_seqs", "prompt_len", "new_tokens"):
@@ -80,28 +87,41 @@ def default_arms() -> dict[str, PrecisionConfig]:
     return arms
 
 
-def build_model(seed: int = 0, preset: str = "tiny"):
-    """The reduced GLM-5.3 model with seeded random weights, BF16 (the training dtype), eval mode,
+def stack_config():
+    """The ``h200_stack`` preset: ``h200`` widths, 3 KDA layers + 1 DSA layer (the first MLP dense,
+    the others MoE with 32 routed experts, top-8), FlexAttention for the sparse attention."""
+    from graphs import GLM53Config
+
+    return GLM53Config.h200(
+        num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("indexed_attention",),
+        mlp_layer_types=("dense", "sparse", "sparse", "sparse"), indexer_types=("full",) * 4,
+        n_routed_experts=32, attn_impl="flex")
+
+
+def build_model(seed: int = 0, preset: str = "tiny", device: str = "cpu"):
+    """The reduced GLM-5.3 model (``tiny`` or ``h200_stack``) with seeded random weights (drawn on
+    the CPU, so every device gets the same ones), BF16 (the training dtype), eval mode, on ``device``,
     ``precision=None`` (each arm selects its config with :func:`inductor_ext.precision`)."""
     from graphs import GLM53Config, GLM53Model
 
-    if preset != "tiny":
-        raise ValueError(f"mismatch: only the 'tiny' preset runs on CPU, got {preset!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"mismatch: preset must be one of {PRESETS}, got {preset!r}")
+    cfg = GLM53Config.tiny() if preset == "tiny" else stack_config()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GLM53Model(GLM53Config.tiny())
-    return model.to_dtype(torch.bfloat16).eval().requires_grad_(False)
+        model = GLM53Model(cfg)
+    return model.to_dtype(torch.bfloat16).to(device).eval().requires_grad_(False)
 
 
-def make_prompts(vocab_size: int, num_seqs: int, prompt_len: int, seed: int) -> torch.Tensor:
-    """Seeded uniform random prompts, int64 ``[num_seqs, prompt_len]``."""
+def make_prompts(vocab_size: int, num_seqs: int, prompt_len: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """Seeded uniform random prompts (drawn on the CPU), int64 ``[num_seqs, prompt_len]`` on ``device``."""
     gen = torch.Generator().manual_seed(seed + 1)
-    return torch.randint(0, vocab_size, (num_seqs, prompt_len), generator=gen, dtype=torch.int64)
+    return torch.randint(0, vocab_size, (num_seqs, prompt_len), generator=gen, dtype=torch.int64).to(device)
 
 
 def _packed(seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, length = seqs.shape
-    return seqs.reshape(-1), torch.arange(n + 1, dtype=torch.int64) * length
+    return seqs.reshape(-1), torch.arange(n + 1, dtype=torch.int64, device=seqs.device) * length
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -151,7 +171,7 @@ def rollout(serve, prompts: torch.Tensor, new_tokens: int, seed: int) -> tuple[t
     logits, cache = decoder.prefill(prompts)
     for i in range(new_tokens):
         logp = torch.log_softmax(logits.float(), dim=-1)
-        tok = torch.multinomial(logp.exp(), 1, generator=gen)
+        tok = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(seqs.device)  # CPU generator: seeded alike
         seqs = torch.cat([seqs, tok], dim=1)
         logps.append(logp)
         if i + 1 < new_tokens:
@@ -162,13 +182,17 @@ def rollout(serve, prompts: torch.Tensor, new_tokens: int, seed: int) -> tuple[t
 @torch.no_grad()
 def score(train_logits: torch.Tensor, serve_logp: torch.Tensor, seqs: torch.Tensor, prompt_len: int) -> dict:
     """Mismatch of teacher-forced training logits ``[n, L, V]`` against the serving log-probs
-    ``[n, R, V]`` of the sampled response tokens ``seqs[:, prompt_len:]``."""
+    ``[n, R, V]`` of the sampled response tokens ``seqs[:, prompt_len:]``. One sequence at a time,
+    so the FP32 temporaries stay ``[R, V]`` (the h200 vocabulary makes ``[n, R, V]`` tens of GB)."""
     R = serve_logp.shape[1]
-    logp_train = torch.log_softmax(train_logits.float()[:, prompt_len - 1: prompt_len - 1 + R], dim=-1)
-    y = seqs[:, prompt_len: prompt_len + R].unsqueeze(-1)
-    r = (logp_train.gather(-1, y) - serve_logp.gather(-1, y)).squeeze(-1).double()
+    rs, kls = [], []
+    for i in range(seqs.shape[0]):
+        logp_train = torch.log_softmax(train_logits[i, prompt_len - 1: prompt_len - 1 + R].float(), dim=-1)
+        y = seqs[i, prompt_len: prompt_len + R].unsqueeze(-1)
+        rs.append((logp_train.gather(-1, y) - serve_logp[i].gather(-1, y)).squeeze(-1).double())
+        kls.append((serve_logp[i].exp() * (serve_logp[i] - logp_train)).sum(-1))
+    r, kl = torch.cat(rs), torch.cat(kls)
     k3 = torch.expm1(r) - r
-    kl = (serve_logp.exp() * (serve_logp - logp_train)).sum(-1)
     return {"k3": k3.mean().item(), "mean_abs_logratio": r.abs().mean().item(),
             "max_token_kl": kl.max().item(), "mean_token_kl": kl.double().mean().item()}
 
@@ -191,14 +215,16 @@ def run_mismatch(settings: MismatchSettings | None = None, arms: dict[str, Preci
     s = MismatchSettings() if settings is None else settings
     arms = default_arms() if arms is None else arms
     say = progress or (lambda msg: None)
-    model = build_model(s.seed, s.preset)
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("mismatch: --device cuda but no CUDA device is visible")
+    model = build_model(s.seed, s.preset, s.device)
     serve = ServingForward(model, serving_precision)
-    prompts = make_prompts(model.config.vocab_size, s.num_seqs, s.prompt_len, s.seed)
+    prompts = make_prompts(model.config.vocab_size, s.num_seqs, s.prompt_len, s.seed, s.device)
     say(f"calibrating lm_head to {s.target_entropy} nats")
     scale, entropy = calibrate(model, prompts, s.target_entropy, serve)
     say(f"sampling {s.new_tokens} tokens x {s.num_seqs} sequences from the serving forward")
     seqs, serve_logp = rollout(serve, prompts, s.new_tokens, s.seed)
-    resp_entropy = (-(serve_logp.exp() * serve_logp).sum(-1)).mean().item()
+    resp_entropy = torch.cat([-(lp.exp() * lp).sum(-1) for lp in serve_logp]).mean().item()  # per sequence
     ids, cu = _packed(seqs)
     out_arms = {}
     for name, cfg in arms.items():

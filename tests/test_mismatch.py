@@ -124,3 +124,19 @@ def test_misaligned_serving_mhc_post_raises_kl(cli_result):
 def test_bad_arm_name_exits_2(tmp_path, capsys):
     assert main(["mismatch", "--out", str(tmp_path), "--arms", "nope"]) == 2
     assert "unknown arm" in capsys.readouterr().err
+
+
+def test_h200_stack_preset_is_issue_8s_stack_and_needs_cuda(tmp_path, capsys):
+    """3 KDA + 1 DSA layers at h200 widths with 32 routed experts; on the CPU it is refused with a
+    one-line error (exit 2), not silently swapped for tiny."""
+    from inductor_ext.mismatch import stack_config
+
+    cfg = stack_config()
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("indexed_attention",)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size) == (32, 8, 4096)
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        MismatchSettings(preset="h200_stack")
+    with pytest.raises(ValueError, match="preset must be one of"):
+        MismatchSettings(preset="huge")
+    assert main(["mismatch", "--out", str(tmp_path), "--preset", "h200_stack"]) == 2
+    assert "needs --device cuda" in capsys.readouterr().err
