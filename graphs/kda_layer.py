@@ -14,6 +14,7 @@ from torch import nn
 
 from graphs.config import GLM53Config
 from inductor_ext import PrecisionConfig, ops
+from inductor_ext.ops.packing import segment_of
 
 __all__ = ["ForgetGate", "GatedRMSNorm", "LinearAttention", "document_positions"]
 
@@ -23,11 +24,7 @@ def document_positions(cu_seqlens: torch.Tensor | None, num_tokens: int, device)
     tok = torch.arange(num_tokens, device=device, dtype=torch.int64)
     if cu_seqlens is None:
         return tok
-    # search the whole cu_seqlens, not a slice: Inductor's Triton searchsorted ignored the offset of
-    # a sliced boundary tensor before torch 2.12 (pytorch/pytorch#182343; on torch 2.11 this put
-    # every token of the first document at the wrong position in the compiled layer on the H200)
-    doc = (torch.searchsorted(cu_seqlens, tok, right=True) - 1).clamp(0, cu_seqlens.shape[0] - 2)
-    return tok - cu_seqlens[doc]
+    return tok - cu_seqlens[segment_of(cu_seqlens, tok)]
 
 
 class ForgetGate(nn.Module):

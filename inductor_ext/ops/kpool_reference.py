@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from inductor_ext.ops.fp8_qdq import FP8_MAX, pow2_ceil
+from inductor_ext.ops.packing import segment_of
 from inductor_ext.workspace import logits_view
 
 __all__ = [
@@ -102,11 +103,8 @@ def layout_reference(cu_seqlens: torch.Tensor, num_tokens: int, pool_size: int):
     dev = cu.device
     P = pool_size
     S = num_tokens // P
-    ndocs = cu.shape[0] - 1
     tok = torch.arange(num_tokens, device=dev, dtype=torch.int64)
-    # whole boundary tensors, never slices (pytorch/pytorch#182343: compiled searchsorted on a sliced
-    # boundary tensor ignored its offset before torch 2.12), in case this kernel is ever traced
-    doc = (torch.searchsorted(cu, tok, right=True) - 1).clamp(0, ndocs - 1)
+    doc = segment_of(cu, tok)
     doc_start = cu[doc]
     pos = tok - doc_start
     q_n = torch.div(pos + 1, P, rounding_mode="floor")
@@ -114,7 +112,7 @@ def layout_reference(cu_seqlens: torch.Tensor, num_tokens: int, pool_size: int):
     pool_cum = torch.cat((n_pools.new_zeros(1), n_pools.cumsum(0)))
     q_lo = pool_cum[doc]
     slot = torch.arange(S, device=dev, dtype=torch.int64)
-    slot_doc = (torch.searchsorted(pool_cum, slot, right=True) - 1).clamp(0, ndocs - 1)
+    slot_doc = segment_of(pool_cum, slot)
     first = cu[slot_doc] + P * (slot - pool_cum[slot_doc])
     pool_token = torch.where(slot < pool_cum[-1], first, torch.full_like(first, -1))
     tail_start = doc_start + P * q_n
