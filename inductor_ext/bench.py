@@ -72,10 +72,8 @@ def bench_kda(tokens=DEFAULT_TOKENS, heads=64, dim=128, samples=50, warmup=3, pr
 
             row = {"tokens": T, "heads": heads, "dim": dim, "peer": name}
             for label, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-                graph = timing.capture(step, warmup=warmup)
-                stats = timing.summarize(timing.replay_times_us(graph, samples=samples))
+                stats = timing.replay_stats(step, samples, warmup)
                 row.update({f"{label}_{k}": v for k, v in stats.items() if k != "samples"})
-                del graph
             row["samples"] = samples
             rows.append(row)
             if progress:  # each row as soon as it is measured: a run cut short still reports it

@@ -19,16 +19,13 @@ __all__ = ["bench_kpool", "scaled_mm_tflops", "format_kpool"]
 HIDDEN, Q_RANK, DIM, POOL = 4096, 1536, 128, 4
 
 
-def _time(fn, samples, warmup):
-    return timing.summarize(timing.replay_times_us(timing.capture(fn, warmup=warmup), samples=samples))
-
-
 def scaled_mm_tflops(n: int = 8192, samples: int = 50) -> float:
     """FP8 e4m3 matrix-multiply rate (TFLOP/s, p50) of ``torch._scaled_mm`` on n × n × n."""
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
-    stats = _time(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), samples, 3)
+    stats = timing.replay_stats(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                samples)
     return 2 * n**3 / (stats["p50_us"] * 1e-6) / 1e12
 
 
@@ -83,7 +80,7 @@ def bench_kpool(tokens=16384, heads=(32, 64, 128), topk=2048, samples=50, warmup
                 stages["quant_query"] = lambda: kp.kpool_quant_query(q, w)
             row = {"tokens": tokens, "heads": H, "precision": prec}
             for name, fn in stages.items():
-                row[name] = _time(fn, samples, warmup)
+                row[name] = timing.replay_stats(fn, samples, warmup)
             flops = 2 * tokens * (tokens // POOL) * H * DIM
             row["score_tflops"] = flops / (row["score"]["p50_us"] * 1e-6) / 1e12
             row["score_fraction_of_scaled_mm"] = row["score_tflops"] / peak

@@ -43,10 +43,6 @@ GROUP = 128
 BF16 = 2  # bytes per BF16 element
 
 
-def _time(fn, samples):
-    return timing.summarize(timing.replay_times_us(timing.capture(fn), samples=samples))
-
-
 def _kernel_count(fn) -> int | None:
     """CUDA kernels and copies launched by one call of ``fn`` (after warm-up), or None."""
     try:
@@ -135,7 +131,7 @@ def bench_moe_act(tokens=8192, hidden=4096, inter=2048, samples=50, progress=Non
                 progress(f"bench moe: {name}")
             fn()  # compile / autotune outside the timing
             kernels = _kernel_count(fn)
-            stats = _time(fn, samples)
+            stats = timing.replay_stats(fn, samples)
             rows.append({"name": name, "group": group, "what": what, "kernels": kernels, "bytes": nbytes,
                          **stats, "gbps": nbytes / (stats["p50_us"] * 1e-6) / 1e9})
     by = {r["name"]: r for r in rows}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["capture", "replay_times_us", "summarize"]
+__all__ = ["capture", "replay_times_us", "summarize", "replay_stats"]
 
 
 def capture(fn: Callable[[], object], warmup: int = 3) -> torch.cuda.CUDAGraph:
@@ -47,3 +47,8 @@ def replay_times_us(graph: torch.cuda.CUDAGraph, samples: int = 50, warmup: int 
 def summarize(times_us: list[float]) -> dict[str, float]:
     """``{"p50_us", "max_us", "samples"}`` of a list of replay times."""
     return {"p50_us": statistics.median(times_us), "max_us": max(times_us), "samples": len(times_us)}
+
+
+def replay_stats(fn: Callable[[], object], samples: int = 50, warmup: int = 3) -> dict[str, float]:
+    """:func:`capture` ``fn`` (``warmup`` eager calls first), then :func:`summarize` ``samples`` replays."""
+    return summarize(replay_times_us(capture(fn, warmup=warmup), samples=samples))
