@@ -44,13 +44,10 @@ import torch.nn.functional as F
 from graphs.kda_layer import LinearAttention, document_positions
 from graphs.serving import ServingForward
 from inductor_ext import ops
-from inductor_ext.ops.kpool import kpool_compress, kpool_layout, kpool_logits, kpool_project, \
-    kpool_quant_query, kpool_select
+from inductor_ext.ops.kpool import INDEXER_EPS, INDEXER_SCALE_FMT, kpool_compress, kpool_layout, kpool_logits, \
+    kpool_project, kpool_quant_query, kpool_select
 
 __all__ = ["ServingDecoder", "DecodeCache"]
-
-_INDEXER_EPS = 1e-6  # ops.kpool_indexer's default, as Indexer.forward calls it
-_SCALE_FMT = "ue8m0"  # ditto
 
 
 # MKL's FP32 sgemm (torch 2.13 CPU, AVX512) rounds a row's last FP32 bit differently for small
@@ -194,41 +191,26 @@ class ServingDecoder:
 
     def _kda(self, attn: LinearAttention, x, n, t, cu, cache):
         """LinearAttention.forward(serving=True); prefill (``cu``) or one step (``cache``)."""
-        H, K, W = attn.num_heads, attn.head_dim, attn.kernel - 1
+        W = attn.kernel - 1
         rows = x.shape[0]
-        raw = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)  # [rows, C]
+        raw = attn.qkv_proj(x)  # [rows, C]
         if cu is not None:
-            pos = document_positions(cu, rows, x.device)
-            qkv = attn.short_conv(raw, pos)
-            per_seq = raw.view(n, t, -1)
-            window = per_seq[:, max(t - W, 0):]
+            qkv = attn.short_conv(raw, document_positions(cu, rows, x.device))
+            window = raw.view(n, t, -1)[:, max(t - W, 0):]
             if window.shape[1] < W:  # short prompt: rows before the document start are masked anyway
                 window = torch.cat([window.new_zeros(n, W - window.shape[1], window.shape[2]), window], 1)
             state0, kda_cu = None, cu
         else:
-            qkv = self._conv_step(attn, raw, cache["window"], t - 1)
-            window = torch.cat([cache["window"][:, 1:], raw[:, None]], dim=1) if W > 0 else cache["window"]
+            # the conv over each sequence's window + new row; only the new row's output (document
+            # position t - 1, so the zero rows before a short prompt's start stay masked) is kept
+            span = torch.cat([cache["window"], raw[:, None]], dim=1)  # [n, W + 1, C]
+            pos = torch.arange(t - 1 - W, t, device=x.device).repeat(n)
+            qkv = attn.short_conv(span.reshape(n * (W + 1), -1), pos)[W::W + 1]
+            window = span[:, 1:]
             state0 = cache["state"]
             kda_cu = torch.arange(n + 1, dtype=torch.int64, device=x.device)  # n one-token documents
-        q, k, v = (u.reshape(1, rows, H, K) for u in qkv.chunk(3, dim=-1))
-        g = attn.forget_gate(x).unsqueeze(0)
-        beta = torch.sigmoid(attn.b_proj(x)).unsqueeze(0)
-        o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=state0, cu_seqlens=kda_cu)
-        gate = attn.g_b_proj(attn.g_a_proj(x)).view(rows, H, K)
-        o = attn.o_norm(o[0], gate).reshape(rows, -1)
-        return attn.o_proj(o), {"state": state, "window": window}
-
-    @staticmethod
-    def _conv_step(attn: LinearAttention, raw, window, pos: int):
-        """LinearAttention.short_conv of one new row per sequence at document position ``pos``:
-        ``silu(x_t·w[K-1] + Σ_s [pos ≥ s]·x_{t-s}·w[K-1-s])`` in FP32, same order of sums."""
-        xf, w = raw.float(), attn.conv1d.weight.float()[:, 0, :]
-        out = xf * w[:, attn.kernel - 1]
-        W = attn.kernel - 1
-        for s in range(1, attn.kernel):
-            shifted = window[:, W - s].float() if pos >= s else torch.zeros_like(xf)  # before the doc start
-            out = out + shifted * w[:, attn.kernel - 1 - s]
-        return F.silu(out).to(raw.dtype)
+        out, state = attn.mix(x, qkv, kda_cu, self.precision, serving=True, initial_state=state0)
+        return out, {"state": state, "window": window}
 
     # ------------------------------------------------------------------ DSA
 
@@ -275,7 +257,7 @@ class ServingDecoder:
 
     def _project(self, idx, x):
         return kpool_project(x, idx.wk.weight, idx.k_norm.weight, idx.k_norm.bias, idx.weights_proj.weight,
-                             idx.index_kpool_compress_gate, eps=_INDEXER_EPS, head_proj=self.precision.head_proj)
+                             idx.index_kpool_compress_gate, eps=INDEXER_EPS, head_proj=self.precision.head_proj)
 
     def _compress(self, k, gate, idx, pool_token):
         """kpool_compress as ops.kpool_indexer calls it under the serving precision."""
@@ -284,7 +266,7 @@ class ServingDecoder:
             mode = "bf16_reference" if prec.kpool_pooling == "reference" else "bf16_fp32"
             k, gate = k.to(torch.bfloat16), gate.to(torch.bfloat16)
         else:
-            mode = f"fp8_{_SCALE_FMT}"
+            mode = f"fp8_{INDEXER_SCALE_FMT}"
         return kpool_compress(k, gate, idx.index_kpool_compress_ape, pool_token, mode=mode)
 
     def _index_step(self, idx, x, q_resid, n, t, cache):
@@ -307,7 +289,7 @@ class ServingDecoder:
         if prec.kpool == "bf16":
             q = q.to(torch.bfloat16)
         else:
-            q, w = kpool_quant_query(q, w, scale_fmt=_SCALE_FMT)
+            q, w = kpool_quant_query(q, w, scale_fmt=INDEXER_SCALE_FMT)
         S = t // P
         pools, scales = cache["pool"].view(), cache["pool_scale"].view()
         if S == 0:  # no complete pool yet: one unused slot (score 0, never visible)

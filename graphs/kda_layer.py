@@ -94,16 +94,27 @@ class LinearAttention(nn.Module):
                 serving: bool = False) -> torch.Tensor:
         """``serving``: the KDA core is ``kda_recurrent`` (FP32 state, forward only) instead of
         ``kda_chunk`` at ``prec.kda``; every other step is the same."""
+        pos = document_positions(cu_seqlens, x.shape[0], x.device)
+        return self.mix(x, self.short_conv(self.qkv_proj(x), pos), cu_seqlens, prec, serving)[0]
+
+    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """The q, k, v projections side by side, ``[T, 3·H·K]`` in x's dtype (the short conv's input)."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def mix(self, x: torch.Tensor, qkv: torch.Tensor, cu_seqlens: torch.Tensor | None, prec: PrecisionConfig,
+            serving: bool, initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after the short conv: KDA of ``qkv`` (conv output ``[T, 3·H·K]``) with the gates
+        of ``x [T, hidden]``, gated RMSNorm, o_proj → (``[T, hidden]``, FP32 final state
+        ``[N, H, K, K]``); ``initial_state`` continues documents (the incremental decode's state)."""
         T = x.shape[0]
-        pos = document_positions(cu_seqlens, T, x.device)
-        qkv = self.short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), pos)
         q, k, v = (t.reshape(1, T, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
         g = self.forget_gate(x).unsqueeze(0)
         beta = torch.sigmoid(self.b_proj(x)).unsqueeze(0)
         if serving:
-            o, _ = ops.kda_recurrent(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+            o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         else:
-            o, _ = ops.kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens, precision=prec.kda)
+            o, state = ops.kda_chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                     precision=prec.kda)
         gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.num_heads, self.head_dim)
         o = self.o_norm(o[0], gate).reshape(T, -1)
-        return self.o_proj(o)
+        return self.o_proj(o), state

@@ -30,12 +30,16 @@ __all__ = [
     "kpool_select",
     "kpool_indexer",
     "validate_cu_seqlens",
+    "INDEXER_EPS",
+    "INDEXER_SCALE_FMT",
 ]
 
 _T = torch.Tensor
 _DEVICES = ("cpu", "cuda")
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 TAILS = ("compact", "fixed")
+INDEXER_EPS = 1e-6  # the indexer key LayerNorm's epsilon (GLM-5.3)
+INDEXER_SCALE_FMT = "ue8m0"  # the FP8 indexer's scale format (serving's)
 HEAD_PROJ = ("model", "fp32")
 PRECISIONS = ("bf16", "fp8")
 POOLINGS = ("reference", "fp32")
@@ -171,7 +175,8 @@ def validate_cu_seqlens(cu_seqlens, num_tokens: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps=1e-6, head_proj=None):
+def kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps=INDEXER_EPS,
+                  head_proj=None):
     """Key, compression gate and head weights of the indexer, ``glm53::kpool_project``.
 
     Args:
@@ -251,7 +256,7 @@ def kpool_compress(k, gate, ape, pool_token, *, mode):
     return out[0], out[1]
 
 
-def kpool_quant_query(q, w, *, scale_fmt="ue8m0"):
+def kpool_quant_query(q, w, *, scale_fmt=INDEXER_SCALE_FMT):
     """FP8 query, ``glm53::kpool_quant_query``: Hadamard-128 (FP32) → bf16 → per (token, head)
     e4m3 with scale ``s = max(amax, 1e-4)/448`` (``"ue8m0"``: rounded up to a power of two,
     ``"fp32"``: as is), folded into the head weight.
@@ -328,7 +333,7 @@ def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, ta
 def kpool_indexer(
     x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape,
     cu_seqlens=None, *, topk, pool_size=4, kpool=None, kpool_pooling=None, head_proj=None,
-    mqa_layout=None, logits_budget_mb=None, scale_fmt="ue8m0", tail="compact", eps=1e-6,
+    mqa_layout=None, logits_budget_mb=None, scale_fmt=INDEXER_SCALE_FMT, tail="compact", eps=INDEXER_EPS,
 ):
     """The GLM-5.3 KPool indexer: selected token ids per query, one call for the DSA layer.
 
