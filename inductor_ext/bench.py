@@ -1,8 +1,10 @@
 """``python -m inductor_ext bench kda``: CUDA-graph replay timing of the KDA chunk op.
 
 Peers timed in the same process at B=1, H=64, K=V=128: flash-linear-attention's public
-``chunk_kda`` (L2 norm in kernel) on BF16 inputs and on FP32-promoted inputs (the kernels our
-``fp32`` calls), ours ``bf16`` and ours ``fp32`` (BF16 inputs promoted inside the op). Forward: p50 / max of single graph replays; forward+backward: the same
+``chunk_kda`` (L2 norm in kernel) on BF16 inputs, on FP32 inputs promoted before timing
+(``fla_chunk_kda_fp32``: the kernels alone) and promoted inside the timed call with the output cast
+back to BF16 (``fla_chunk_kda_fp32_promoting``: what a training stack pays to run KDA in FP32), ours
+``bf16`` and ours ``fp32`` (BF16 inputs, promoted inside the op). Forward: p50 / max of single graph replays; forward+backward: the same
 for a graph that holds the forward and ``torch.autograd.grad`` of all five inputs.
 """
 
@@ -40,7 +42,12 @@ def _peers():
         def fla(x):
             return chunk_kda(*x.values(), use_qk_l2norm_in_kernel=True, output_final_state=True)
 
-        peers = {"fla_chunk_kda_bf16": (fla, torch.bfloat16), "fla_chunk_kda_fp32": (fla, torch.float32), **peers}
+        def fla_promoting(x):
+            o, state = fla({n: t.float() for n, t in x.items()})
+            return o.bfloat16(), state
+
+        peers = {"fla_chunk_kda_bf16": (fla, torch.bfloat16), "fla_chunk_kda_fp32": (fla, torch.float32),
+                 "fla_chunk_kda_fp32_promoting": (fla_promoting, torch.bfloat16), **peers}
     return peers
 
 

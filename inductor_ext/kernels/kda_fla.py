@@ -25,6 +25,13 @@ def _compute_dtype(precision: str) -> torch.dtype:
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
+def _norm_input(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """q/k as l2norm's input: BF16 stays BF16 when the precision is FP32 (the norm kernel widens it
+    exactly on load and writes FP32), saving a separate promotion pass; anything else is cast first."""
+    keep = x.dtype == torch.bfloat16 and dt == torch.float32
+    return (x if keep else x.to(dt)).contiguous()
+
+
 def _chunk_list(cu_seqlens, T: int):
     if cu_seqlens is None:
         return None, None
@@ -33,14 +40,14 @@ def _chunk_list(cu_seqlens, T: int):
 
 
 def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
-    """CUDA kernel of ``glm53::kda_chunk``: fla's l2norm + chunk_kda_fwd on q/k/v/beta cast to the
-    precision's dtype; returns o (v's dtype), the FP32 final state and the residuals."""
+    """CUDA kernel of ``glm53::kda_chunk``: fla's l2norm + chunk_kda_fwd on q/k/v/beta in the
+    precision's dtype (g as given: fla accumulates it in FP32); returns o (v's dtype), the FP32 final state and the residuals."""
     out_dtype = v.dtype
     dt = _compute_dtype(precision)
-    q, k, v, beta = (x.to(dt).contiguous() for x in (q, k, v, beta))
+    v, beta = (x.to(dt).contiguous() for x in (v, beta))
     T = q.shape[1]
-    qn, q_rstd = l2norm_fwd(q)
-    kn, k_rstd = l2norm_fwd(k)
+    qn, q_rstd = l2norm_fwd(_norm_input(q, dt), output_dtype=dt)
+    kn, k_rstd = l2norm_fwd(_norm_input(k, dt), output_dtype=dt)
     chunk_indices, chunk_offsets = _chunk_list(cu_seqlens, T)
     o, final_state, g_cumsum, Aqk, Akk, *_ = _fla_chunk_kda_fwd(
         q=qn, k=kn, v=v, g=g.contiguous(), beta=beta, scale=scale,
