@@ -9,6 +9,6 @@ from fake_impls import fp8_qdq, fp32_linear, layer_norm_fp32, mhc, swiglu  # noq
 
 __all__ = ["kda"]
 __all__ += ["fp32_linear", "layer_norm_fp32", "swiglu", "fp8_qdq", "mhc"]
-from fake_impls import kpool  # noqa: F401, E402
+from fake_impls import kpool, round_to  # noqa: F401, E402
 
-__all__ += ["kpool"]
+__all__ += ["kpool", "round_to"]

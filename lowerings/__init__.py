@@ -7,8 +7,8 @@ decomposition table, which AOTAutograd applies only when the backend is ``"induc
 and ``aot_eager`` therefore keep the reference kernels, and Inductor fuses the decomposed work
 into the kernels around it. The ops' ``register_autograd`` backward formulas are plain torch,
 so their backward graphs are ATen ops already and fuse the same way. Every rounding point of a
-contract is kept with integer arithmetic on the FP32 bits (:mod:`lowerings._rounding`), which
-fusion cannot elide, for BF16, FP16 and FP32 alike. The ops that must stay opaque (KDA chunk, the KPool scorer) carry layout tags on
+contract goes through ``glm53::round_to`` (:mod:`lowerings._rounding`), lowered to a hardware
+conversion inside the fused kernel, which fusion cannot elide. The ops that must stay opaque (KDA chunk, the KPool scorer) carry layout tags on
 their ``torch.library.custom_op`` definitions instead.
 """
 
@@ -29,8 +29,12 @@ def decompositions() -> dict:
 
 
 def register_all() -> None:
-    """Register every decomposition in Inductor's table; idempotent."""
-    from lowerings._compat import register_inductor_decomposition
+    """Register every decomposition in Inductor's table, and the lowering of their rounding
+    point ``glm53::round_to``; idempotent."""
+    import torch
 
+    from lowerings._compat import register_inductor_decomposition, register_rounding_lowering
+
+    register_rounding_lowering(torch.ops.glm53.round_to.default)
     for op, fn in decompositions().items():
         register_inductor_decomposition(op, fn)

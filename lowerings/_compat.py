@@ -26,6 +26,7 @@ __all__ = [
     "inductor_config",
     "inductor_decomposition",
     "register_inductor_decomposition",
+    "register_rounding_lowering",
     "reset_cudagraph_trees",
     "run_and_get_code",
 ]
@@ -48,6 +49,31 @@ def register_inductor_decomposition(op: torch._ops.OpOverload, fn: Callable) -> 
         return
     _inductor_decomposition.decompositions[op] = fn
     _clear_merged_table()
+
+
+def register_rounding_lowering(op: torch._ops.OpOverload) -> None:
+    """Lower ``op(x: FP32, dtype) -> FP32`` (``glm53::round_to``) to a pointwise conversion to
+    ``dtype`` and back, idempotent.
+
+    ``ops.to_dtype(..., use_compute_types=False)`` is the store-type conversion (Triton
+    ``x.to(tl.bfloat16)`` / ``tl.float8e4nv``, C++ ``c10::convert``): a real rounding. The default
+    (compute types) maps BF16 to FP32 and would make it a no-op; ``src_dtype`` lets the Triton
+    backend meet its float8 conversion's elements-per-thread rule.
+    """
+    from torch._inductor.lowering import lowerings, make_pointwise, register_lowering
+    from torch._inductor.virtualized import ops
+
+    if op in lowerings:
+        return
+
+    def lower(x, dtype):
+        def round_trip(v):
+            narrow = ops.to_dtype(v, dtype, src_dtype=torch.float32, use_compute_types=False)
+            return ops.to_dtype(narrow, torch.float32)
+
+        return make_pointwise(round_trip, override_return_dtype=torch.float32)(x)
+
+    register_lowering(op, type_promotion_kind=None)(lower)
 
 
 def inductor_decomposition(op: torch._ops.OpOverload) -> Callable | None:

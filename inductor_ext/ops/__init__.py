@@ -19,6 +19,7 @@ from inductor_ext.ops import fp32_linear as _fp32_linear
 from inductor_ext.ops import layer_norm_fp32 as _layer_norm_fp32
 from inductor_ext.ops import mhc as _mhc
 from inductor_ext.ops import swiglu as _swiglu
+from inductor_ext.ops import round_to as _round_to  # noqa: F401  (the lowerings' rounding point)
 
 __all__ = ["kda_chunk", "kda_recurrent"]
 

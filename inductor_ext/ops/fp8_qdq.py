@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil",
+__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil", "pow2_reciprocal",
            "validate_fp8_qdq_inputs"]
 
 GROUP = 128
@@ -51,6 +51,12 @@ def pow2_ceil(r: torch.Tensor) -> torch.Tensor:
     return (exponent << 23).view(torch.float32)
 
 
+def pow2_reciprocal(s: torch.Tensor) -> torch.Tensor:
+    """1/s for a power of two s in [2^-126, 2^126] (every ue8m0 scale of a finite input), exactly,
+    from the bit pattern: ``a · (1/s)`` is then bitwise ``a / s`` at the cost of a multiply."""
+    return ((254 << 23) - s.view(torch.int32)).view(torch.float32)
+
+
 def e4m3_cast(v: torch.Tensor) -> torch.Tensor:
     """FP32 → the FP32 value of its float8_e4m3fn cast (round to nearest even)."""
     return v.to(torch.float8_e4m3fn).float()
@@ -64,8 +70,13 @@ def fp8_qdq_reference(x, scale_fmt, e4m3=e4m3_cast):
     a = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     amax = a.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
     ratio = amax / FP8_MAX
-    s = pow2_ceil(ratio) if scale_fmt == "ue8m0" else ratio
-    q = e4m3((a / s).clamp(-FP8_MAX, FP8_MAX))
+    if scale_fmt == "ue8m0":
+        s = pow2_ceil(ratio)
+        quotient = a * pow2_reciprocal(s)
+    else:
+        s = ratio
+        quotient = a / s
+    q = e4m3(quotient.clamp(-FP8_MAX, FP8_MAX))
     out = (q * s).to(x.dtype).reshape(x.shape)
     return out.contiguous(), s.squeeze(-1).contiguous()
 
