@@ -18,6 +18,13 @@ Protocol (reduced model from ``graphs/``: ``tiny`` on the CPU, ``h200_stack`` on
    sampled token y (an unbiased estimator of KL(serve ‖ train)), ``mean |r|``, and the max (and mean)
    exact per-token KL(serve ‖ train) over the vocabulary.
 
+Floor: the serving forward itself, re-run over the whole sequences (the packed prefill a training
+step does) and scored like an arm against the decode's log-probabilities (``serving_reforward``).
+On the CPU the decode is bitwise the re-forward, so it is 0; on a GPU, GEMMs pick kernels by batch
+shape, so one decode row and the same row inside a packed forward differ in the last bits, and a
+calibrated model turns that into a measurable k3: mismatch no precision setting of the training
+model can remove.
+
 Arms: ``reference``, one per precision path whose :meth:`PrecisionConfig.serving_aligned` value
 differs from :meth:`PrecisionConfig.reference` (that single path switched), and ``serving_aligned``.
 Same seed → bitwise the same numbers.
@@ -226,6 +233,9 @@ def run_mismatch(settings: MismatchSettings | None = None, arms: dict[str, Preci
     seqs, serve_logp = rollout(serve, prompts, s.new_tokens, s.seed)
     resp_entropy = torch.cat([-(lp.exp() * lp).sum(-1) for lp in serve_logp]).mean().item()  # per sequence
     ids, cu = _packed(seqs)
+    say("serving re-forward of the sampled sequences (the floor)")
+    with torch.no_grad():
+        floor = score(serve(ids, cu).view(seqs.shape[0], seqs.shape[1], -1), serve_logp, seqs, s.prompt_len)
     out_arms = {}
     for name, cfg in arms.items():
         say(f"teacher-forcing arm {name} ({s.compile})")
@@ -246,6 +256,7 @@ def run_mismatch(settings: MismatchSettings | None = None, arms: dict[str, Preci
         "lm_head_scale": scale,
         "entropy": {"prompt_mean_nats": entropy, "response_mean_nats": resp_entropy},
         "num_response_tokens": int(seqs.shape[0] * s.new_tokens),
+        "serving_reforward": floor,
         "arms": out_arms,
     }
 
@@ -273,6 +284,10 @@ def format_table(result: dict) -> str:
         red_s = "" if red is None or name == "reference" else f"{100 * red:+.1f}%"
         lines.append(f"| {name} | {a['k3']:.3e} | {a['mean_abs_logratio']:.3e} | {a['max_token_kl']:.3e} | "
                      f"{a['mean_token_kl']:.3e} | {red_s} |")
+    f = result.get("serving_reforward")
+    if f is not None:
+        lines.append(f"| (floor: serving re-forward vs its decode) | {f['k3']:.3e} | {f['mean_abs_logratio']:.3e} | "
+                     f"{f['max_token_kl']:.3e} | {f['mean_token_kl']:.3e} | |")
     return "\n".join(lines)
 
 
