@@ -159,9 +159,15 @@ def _score_inputs(kt, M, S, H, precision, seed=0):
 @pytest.mark.parametrize("layout", workspace.LAYOUTS)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("heads", workspace.SUPPORTED_HEADS)
-def test_logits(kt, heads, precision, layout):
-    M, S = 7, 37  # M not a multiple of bq (4, 2, 1), S not a multiple of the pool block
+@pytest.mark.parametrize("kernel", ["fold", "loop"])
+def test_logits(kt, heads, precision, layout, kernel, monkeypatch):
+    # fold: M not a multiple of bq (4, 2, 1), S not a multiple of the pool block (a small grid);
+    # loop: 2 x 2 tiles of 64 tokens x 128 pools, both partial (forced despite the small grid)
+    M, S = (7, 37) if kernel == "fold" else (70, 150)
+    if kernel == "loop":
+        monkeypatch.setattr(importlib.import_module("inductor_ext.kernels.kpool_score_triton"), "_LOOP_MIN_PROGRAMS", 1)
     q, w, pool, scale = _score_inputs(kt, M, S, heads, precision)
+    q = torch.cat((q, q), 1)[:, :heads]  # a view: token stride 2·H·128
     got = kt.kpool_logits_fwd(q, w, pool, scale, precision, layout)
     want = ref.logits_reference(q, w, pool, scale, precision, layout)
     assert got.shape == want.shape and got.stride() == want.stride(), f"logits view: {got.stride()} vs {want.stride()}"
@@ -242,10 +248,11 @@ def test_cuda_compress_and_query_bitwise(lengths):
 @pytest.mark.parametrize("layout", workspace.LAYOUTS)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("heads", workspace.SUPPORTED_HEADS)
-def test_cuda_logits_heads(heads, precision, layout):
+@pytest.mark.parametrize("M", [1021, 5], ids=["loop", "fold"])  # 16 x 8 tiles; a decode-sized M
+def test_cuda_logits_heads(heads, precision, layout, M):
     from inductor_ext import ops
 
-    M, S = 1021, 1000
+    S = 1000
     q, w, pool, scale = _score_inputs(None, M, S, heads, precision)
     got = ops.kpool_logits(q.cuda(), w.cuda(), pool.cuda(), scale.cuda(), precision=precision, layout=layout)
     want = ref.logits_reference(q, w, pool, scale, precision, layout)

@@ -1,11 +1,32 @@
 """Triton MQA scorer of ``glm53::kpool_logits`` (CUDA): BF16 and FP8 pool scores written into the
 padded logits workspace (:func:`inductor_ext.workspace.logits_view`, the layout the fake returns).
 
-One program owns ``bq = 128 / H`` query tokens (a 128-row tile of (token, head) pairs, H in 32, 64,
-128) and walks pool blocks of ``BLOCK_N``: ``relu(q·kᵀ)`` on the tensor cores, then the head-weighted
-sum over H in FP32. FP8 operands are widened to BF16 (exact) before the MMA: Hopper's FP8 MMA
-accumulates with ~14 mantissa bits (DeepSeek-V3 report), which cannot meet the 1e-6 contract; the
-BF16 MMA accumulates in FP32. Scores differ from the reference only by FP32 summation order.
+Contract: ``logit[m, s] = c_s · Σ_h w[m, h] · relu(q[m, h] · pool[s])`` with ``c_s = pool_scale[s]``
+(``"fp8"``) or ``128^-0.5`` (``"bf16"``; positive, so it moves out of the relu), within 1e-6
+relative of the FP32 reference. The dot runs on the tensor cores with exact products and FP32
+accumulation: FP8 e4m3 operands are widened exactly to FP16 (e4m3 ⊂ FP16) for an FP16 MMA. Hopper's
+FP8 MMA accumulates with ~14 mantissa bits (DeepSeek-V3 report) and cannot meet the contract; FP16
+rather than BF16 because sm_90 converts e4m3x2 → f16x2 in one instruction, while → bf16 adds two
+F2F per pair on the 16/clk/SM conversion pipe (as many cycles per head as the MMA takes). The head-weighted
+sum is FP32 CUDA-core math; scores differ from the reference only by FP32 summation order.
+
+Main kernel: one program = ``BQ=64`` tokens × ``BN=128`` pools, one warpgroup, a loop over the H
+heads. The pool tile is loaded and widened once and stays in shared memory as the MMA's B operand
+(MQA: all heads share it); per head, ``q[:, h]`` ``[BQ, 128]`` streams in through ``cp.async``
+(``NUM_STAGES`` deep), one ``[BQ,128]×[128,BN]`` wgmma runs, and ``w[:, h]·relu(s)`` is added to
+the FP32 accumulator in the MMA's register layout (one FMNMX + one FFMA per score, no cross-warp
+reduction). Bytes per FLOP: q is re-read once per pool block, ``bytes(q)/(2·BN)`` = 1/256 B for
+FP8 (~2.7 TB/s of L2 at 700 TFLOP/s; BF16 q twice that); the pool ``1/(2·BQ·H)`` and the FP32
+output ``4/(256·H)`` are negligible. Programs run pool-block-fastest, so those sharing a q tile are
+resident together and q comes from HBM once. Bounds: the 16-bit MMA (989 TFLOP/s dense, half the
+FP8 rate); the wgmma wait serialises MMA (~512 tensor cycles per head) and epilogue (~300 issue
+slots) inside a program, so it relies on the second program per SM (~220 registers) to fill the
+gaps; shared-memory bandwidth is nearly saturated too (wgmma B reads alone take 64 of 128 B/clk).
+
+Small grids (decode: a few query rows against many pools, or few tiles overall) run
+:func:`_kpool_logits_fold_kernel` instead: it folds ``128/H`` tokens × H heads into the 128 MMA
+rows and reduces over heads per pool block, wasting no MMA rows at tiny M. Both kernels use fixed
+configurations (no autotuning): capturable and deterministic.
 """
 
 from __future__ import annotations
@@ -17,11 +38,53 @@ from inductor_ext import workspace
 
 __all__ = ["kpool_logits_fwd"]
 
-_TARGET_PROGRAMS = 4 * 132  # H200: 132 SMs; split the pool axis only when token tiles are few
+_BQ = 64  # query tokens per program: the M of one warpgroup's wgmma
+_BN = 128  # pools per program: the wgmma N; sets q's L2 bytes per FLOP, 1 / (2·BN) per q byte
+_NUM_WARPS = 4  # one warpgroup; two programs per SM overlap one's MMA with the other's epilogue
+_NUM_STAGES = 4  # q tiles in flight: 57 KB (FP8) / 99 KB (BF16) of shared memory per program
+# head loop only when it fills the tile rows and the GPU reasonably; else the head-folding kernel
+_LOOP_MIN_ROWS = 32
+_LOOP_MIN_PROGRAMS = 32
+_FOLD_TARGET_PROGRAMS = 4 * 132  # H200: 132 SMs; split the pool axis only when token tiles are few
 
 
 @triton.jit
 def _kpool_logits_kernel(
+    q_ptr, w_ptr, pool_ptr, pool_scale_ptr, out_ptr,
+    M, S, stride_qm, stride_qh, stride_wm, stride_out,
+    H: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)  # pool block fastest: the programs of one q tile run together
+    pid_m = tl.program_id(1)
+    tok = pid_m * BQ + tl.arange(0, BQ)
+    cols = pid_n * BN + tl.arange(0, BN)
+    tok_ok = tok < M
+    col_ok = cols < S
+    d = tl.arange(0, 128)
+    k = tl.load(pool_ptr + cols[:, None] * 128 + d[None, :], mask=col_ok[:, None], other=0.0)
+    if FP8:
+        k = k.to(tl.float16)  # exact; see the module docstring
+    kt = tl.trans(k)  # [128, BN]: the loop-invariant B operand, in shared memory
+    q_rows = q_ptr + tok[:, None].to(tl.int64) * stride_qm + d[None, :]
+    w_rows = w_ptr + tok.to(tl.int64) * stride_wm
+    acc = tl.zeros((BQ, BN), dtype=tl.float32)
+    for h in tl.range(0, H, num_stages=NUM_STAGES):
+        qh = tl.load(q_rows + h * stride_qh, mask=tok_ok[:, None], other=0.0)
+        wh = tl.load(w_rows + h, mask=tok_ok, other=0.0)
+        if FP8:
+            qh = qh.to(tl.float16)
+        s = tl.dot(qh, kt)  # [BQ, BN] fp32
+        acc += tl.maximum(s, 0.0) * wh[:, None]
+    if FP8:
+        acc *= tl.load(pool_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    else:
+        acc *= 0.08838834764831845  # 128^-0.5
+    out = out_ptr + tok[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out, acc, mask=tok_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _kpool_logits_fold_kernel(
     q_ptr, w_ptr, pool_ptr, pool_scale_ptr, out_ptr,
     M, S, stride_qm, stride_qh, stride_wm, stride_out, n_iters, n_split,
     H: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
@@ -34,18 +97,18 @@ def _kpool_logits_kernel(
     head = r % H
     ok = tok < M
     d = tl.arange(0, 128)
-    q = tl.load(q_ptr + tok[:, None] * stride_qm + head[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qm + head[:, None] * stride_qh + d[None, :],
                 mask=ok[:, None], other=0.0)
     w = tl.load(w_ptr + tok * stride_wm + head, mask=ok, other=0.0)
     if FP8:
-        q = q.to(tl.bfloat16)  # exact widening; see the module docstring
+        q = q.to(tl.float16)  # exact widening; see the module docstring
     out_tok = pid_m * BM + tl.arange(0, BM)
     for i in range(n_iters):
         cols = (pid_n + i * n_split) * BLOCK_N + tl.arange(0, BLOCK_N)
         cok = cols < S
         kt = tl.load(pool_ptr + cols[None, :] * 128 + d[:, None], mask=cok[None, :], other=0.0)
         if FP8:
-            kt = kt.to(tl.bfloat16)
+            kt = kt.to(tl.float16)
         s = tl.dot(q, kt)  # [R, BLOCK_N] fp32
         if not FP8:
             s = s * 0.08838834764831845
@@ -53,7 +116,7 @@ def _kpool_logits_kernel(
         logit = tl.sum(tl.reshape(s, (BM, H, BLOCK_N)), axis=1)
         if FP8:
             logit = logit * tl.load(pool_scale_ptr + cols, mask=cok, other=0.0)[None, :]
-        tl.store(out_ptr + out_tok[:, None] * stride_out + cols[None, :], logit,
+        tl.store(out_ptr + out_tok[:, None].to(tl.int64) * stride_out + cols[None, :], logit,
                  mask=(out_tok < M)[:, None] & cok[None, :])
 
 
@@ -67,6 +130,8 @@ def kpool_logits_fwd(q, w, pool, pool_scale, precision: str, layout: str, block_
         pool: ``[S, 128]`` same dtype as q; pool_scale ``[S]`` fp32 (used by ``"fp8"``).
         precision: ``"bf16"`` (Σ_h w·relu(q·k·128^-0.5)) or ``"fp8"`` (scale·Σ_h w·relu(q8·k8)).
         layout: ``"compact"`` | ``"legacy"`` workspace layout.
+        block_n: pool block of the head-folding kernel (small grids only); the main kernel's tile
+            is fixed (module docstring).
 
     Returns:
         FP32 ``[M, S]`` view with row stride ``workspace.mqa_logits_stride(S, layout)`` (padding rows
@@ -74,7 +139,6 @@ def kpool_logits_fwd(q, w, pool, pool_scale, precision: str, layout: str, block_
     """
     M, H, _ = q.shape
     S = pool.shape[0]
-    bq = workspace.mqa_row_block(H)
     out = workspace.logits_view(M, S, H, layout, q.device)
     if M == 0 or S == 0:
         return out
@@ -83,11 +147,17 @@ def kpool_logits_fwd(q, w, pool, pool_scale, precision: str, layout: str, block_
     if w.stride(-1) != 1:
         w = w.contiguous()
     fp8 = precision == "fp8"
-    pool = pool.contiguous()
+    pool, pool_scale = pool.contiguous(), pool_scale.contiguous()
+    args = (q, w, pool, pool_scale, out, M, S, q.stride(0), q.stride(1), w.stride(0), out.stride(0))
+    grid = (triton.cdiv(S, _BN), triton.cdiv(M, _BQ))
+    if M >= _LOOP_MIN_ROWS and grid[0] * grid[1] >= _LOOP_MIN_PROGRAMS:
+        _kpool_logits_kernel[grid](*args, H=H, BQ=_BQ, BN=_BN, FP8=fp8, NUM_STAGES=_NUM_STAGES,
+                                   num_warps=_NUM_WARPS)
+        return out
+    bq = workspace.mqa_row_block(H)
     n_blocks = triton.cdiv(S, block_n)
     m_tiles = triton.cdiv(M, bq)
-    n_split = max(1, min(n_blocks, triton.cdiv(_TARGET_PROGRAMS, m_tiles)))
-    _kpool_logits_kernel[(m_tiles, n_split)](
-        q, w, pool, pool_scale.contiguous(), out, M, S, q.stride(0), q.stride(1), w.stride(0),
-        out.stride(0), triton.cdiv(n_blocks, n_split), n_split, H=H, BM=bq, BLOCK_N=block_n, FP8=fp8, num_warps=8)
+    n_split = max(1, min(n_blocks, triton.cdiv(_FOLD_TARGET_PROGRAMS, m_tiles)))
+    _kpool_logits_fold_kernel[(m_tiles, n_split)](
+        *args, triton.cdiv(n_blocks, n_split), n_split, H=H, BM=bq, BLOCK_N=block_n, FP8=fp8, num_warps=8)
     return out
