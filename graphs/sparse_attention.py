@@ -14,6 +14,8 @@ shapes, no host sync):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["selection_mask", "sparse_attention", "IMPLS"]
@@ -37,8 +39,26 @@ def _eager(q, k, v, mask, scale):
     return torch.matmul(probs, vh).transpose(0, 1)
 
 
+@functools.cache
+def _fused_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
+
+
+def _flex_kernel(device: torch.device):
+    """FlexAttention's fused kernel on CUDA, also when the layer runs eagerly: called without
+    ``torch.compile`` it runs unfused math that materializes ``[H, T, S]`` scores (out of memory at
+    the h200 lengths) and rounds differently from the kernel the compiled layer runs, so eager and
+    compiled layers would differ by the attention kernel alone. Inside a compiled graph Dynamo
+    inlines the compiled function. On the CPU (tiny shapes) the unfused math is the reference."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return _fused_flex_attention() if device.type == "cuda" else flex_attention
+
+
 def _flex(q, k, v, mask, scale):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     T, S = mask.shape
 
@@ -46,7 +66,7 @@ def _flex(q, k, v, mask, scale):
         return mask[q_idx, kv_idx]
 
     block_mask = create_block_mask(mask_mod, None, None, T, S, device=q.device)
-    out = flex_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=block_mask, scale=scale)
+    out = _flex_kernel(q.device)(*(t.transpose(0, 1)[None] for t in (q, k, v)), block_mask=block_mask, scale=scale)
     return out[0].transpose(0, 1)
 
 

@@ -13,7 +13,8 @@ Protocol (reduced model from ``graphs/``: ``tiny`` on the CPU, ``h200_stack`` on
    step; on CPU bitwise the logits of a full re-forward of the packed sequences). The serving
    log-probabilities are the ones each sampling step saw.
 3. Teacher-force the same tokens through the compiled training model (``torch.compile``,
-   ``fullgraph=True``; backend ``aot_eager`` by default) under each arm's config. Per arm, over all
+   ``fullgraph=True``; backend ``aot_eager`` by default) under each arm's config, one sequence
+   per call (one compile per arm: every sequence has the same length). Per arm, over all
    response tokens: ``k3 = mean(exp(r) − 1 − r)`` with ``r = log p_train(y) − log p_serve(y)`` of the
    sampled token y (an unbiased estimator of KL(serve ‖ train)), ``mean |r|``, and the max (and mean)
    exact per-token KL(serve ‖ train) over the vocabulary.
@@ -187,14 +188,15 @@ def rollout(serve, prompts: torch.Tensor, new_tokens: int, seed: int) -> tuple[t
 
 
 @torch.no_grad()
-def score(train_logits: torch.Tensor, serve_logp: torch.Tensor, seqs: torch.Tensor, prompt_len: int) -> dict:
-    """Mismatch of teacher-forced training logits ``[n, L, V]`` against the serving log-probs
-    ``[n, R, V]`` of the sampled response tokens ``seqs[:, prompt_len:]``. One sequence at a time,
-    so the FP32 temporaries stay ``[R, V]`` (the h200 vocabulary makes ``[n, R, V]`` tens of GB)."""
+def score(logits_of, serve_logp: torch.Tensor, seqs: torch.Tensor, prompt_len: int) -> dict:
+    """Mismatch of teacher-forced logits against the serving log-probs ``[n, R, V]`` of the sampled
+    response tokens ``seqs[:, prompt_len:]``. ``logits_of(i)``: the logits ``[L, V]`` of sequence
+    ``i`` (a document of its own). One sequence at a time, so the logits and the FP32 temporaries
+    stay ``[L, V]`` (at the h200 vocabulary ``[n, L, V]`` is tens of GB)."""
     R = serve_logp.shape[1]
     rs, kls = [], []
     for i in range(seqs.shape[0]):
-        logp_train = torch.log_softmax(train_logits[i, prompt_len - 1: prompt_len - 1 + R].float(), dim=-1)
+        logp_train = torch.log_softmax(logits_of(i)[prompt_len - 1: prompt_len - 1 + R].float(), dim=-1)
         y = seqs[i, prompt_len: prompt_len + R].unsqueeze(-1)
         rs.append((logp_train.gather(-1, y) - serve_logp[i].gather(-1, y)).squeeze(-1).double())
         kls.append((serve_logp[i].exp() * (serve_logp[i] - logp_train)).sum(-1))
@@ -232,18 +234,17 @@ def run_mismatch(settings: MismatchSettings | None = None, arms: dict[str, Preci
     say(f"sampling {s.new_tokens} tokens x {s.num_seqs} sequences from the serving forward")
     seqs, serve_logp = rollout(serve, prompts, s.new_tokens, s.seed)
     resp_entropy = torch.cat([-(lp.exp() * lp).sum(-1) for lp in serve_logp]).mean().item()  # per sequence
-    ids, cu = _packed(seqs)
+    one_doc = torch.tensor([0, seqs.shape[1]], dtype=torch.int64, device=seqs.device)
     say("serving re-forward of the sampled sequences (the floor)")
-    with torch.no_grad():
-        floor = score(serve(ids, cu).view(seqs.shape[0], seqs.shape[1], -1), serve_logp, seqs, s.prompt_len)
+    floor = score(lambda i: serve(seqs[i], one_doc), serve_logp, seqs, s.prompt_len)
     out_arms = {}
     for name, cfg in arms.items():
         say(f"teacher-forcing arm {name} ({s.compile})")
         torch._dynamo.reset()
         fwd = _train_forward(model, s.compile)
         with torch.no_grad(), precision(cfg):
-            logits = fwd(ids, cu).view(seqs.shape[0], seqs.shape[1], -1)
-        out_arms[name] = {**score(logits, serve_logp, seqs, s.prompt_len), "precision": _fields(cfg)}
+            metrics = score(lambda i: fwd(seqs[i], one_doc), serve_logp, seqs, s.prompt_len)
+        out_arms[name] = {**metrics, "precision": _fields(cfg)}
     torch._dynamo.reset()
     if "reference" in out_arms:
         base = out_arms["reference"]["k3"]
