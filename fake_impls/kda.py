@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.kda import CHUNK
+from inductor_ext.ops.kda import CHUNK, drop_residuals
 
 __all__ = ["kda_chunk_fake", "kda_chunk_bwd_fake", "kda_recurrent_fake"]
 
@@ -22,11 +22,11 @@ def _final_state(q, v, cu_seqlens):
 
 
 @torch.library.register_fake("glm53::kda_chunk")
-def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     """Outputs of ``glm53::kda_chunk`` as empty tensors: shapes, dtypes, strides, no data."""
     store = torch.float32 if precision == "fp32" else torch.bfloat16
     B, T, H, K = q.shape
-    return (
+    out = (
         v.new_empty(v.shape),
         _final_state(q, v, cu_seqlens),
         q.new_empty(q.shape, dtype=store),
@@ -37,6 +37,7 @@ def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision
         q.new_empty(B, T, H, CHUNK, dtype=store),
         q.new_empty(B, T, H, CHUNK, dtype=store),
     )
+    return out if residuals else drop_residuals(out)
 
 
 @torch.library.register_fake("glm53::kda_chunk_bwd")

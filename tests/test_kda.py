@@ -113,7 +113,9 @@ def test_opcheck(precision, packed):
     inputs = make_inputs(case, torch.float32)
     h0 = torch.randn(len(case.lengths), case.heads, case.k_dim, case.v_dim, requires_grad=True)
     args = [inputs[n].requires_grad_(True) for n in ARGS]
-    torch.library.opcheck(torch.ops.glm53.kda_chunk, (*args, 0.3, h0, inputs["cu_seqlens"], precision))
+    torch.library.opcheck(torch.ops.glm53.kda_chunk, (*args, 0.3, h0, inputs["cu_seqlens"], precision, True))
+    plain = [x.detach() for x in args]
+    torch.library.opcheck(torch.ops.glm53.kda_chunk, (*plain, 0.3, h0.detach(), inputs["cu_seqlens"], precision, False))
     torch.library.opcheck(torch.ops.glm53.kda_recurrent,
                           (*(x.detach() for x in args), 0.3, h0.detach(), inputs["cu_seqlens"]))
 
@@ -121,7 +123,7 @@ def test_opcheck(precision, packed):
 def test_opcheck_backward_op():
     inputs = make_inputs(CASES[0], torch.float32)
     args = [inputs[n] for n in ARGS]
-    out = torch.ops.glm53.kda_chunk(*args, 0.3, None, inputs["cu_seqlens"], "fp32")
+    out = torch.ops.glm53.kda_chunk(*args, 0.3, None, inputs["cu_seqlens"], "fp32", True)
     do, dht = torch.randn_like(out[0]), torch.randn_like(out[1])
     # CPU: the reference backward (torch.func.vjp) cannot run under opcheck's dispatch modes, so
     # only the registration is checked here; the forward's opcheck runs this op through
@@ -129,3 +131,24 @@ def test_opcheck_backward_op():
     torch.library.opcheck(torch.ops.glm53.kda_chunk_bwd,
                           (*args, 0.3, None, inputs["cu_seqlens"], "fp32", *out[2:], do, dht),
                           test_utils="test_autograd_registration")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_forward_only_call_drops_residuals(precision):
+    """No gradient needed: the wrapper asks for no residuals (empty, same dtypes), o and the final
+    state are bitwise those of the call that keeps them, and a backward through a residual-free
+    call fails with a message instead of reading empty tensors."""
+    case = CASES[0]
+    inputs = make_inputs(case, torch.float32)
+    args = [inputs[n] for n in ARGS]
+    full = torch.ops.glm53.kda_chunk(*args, 0.3, None, inputs["cu_seqlens"], precision, True)
+    with torch.no_grad():
+        o, state = ops.kda_chunk(*(x.requires_grad_(True) for x in args), scale=0.3,
+                                 cu_seqlens=inputs["cu_seqlens"], precision=precision)
+    assert torch.equal(o, full[0]) and torch.equal(state, full[1])
+    bare = torch.ops.glm53.kda_chunk(*(x.detach() for x in args), 0.3, None, inputs["cu_seqlens"], precision, False)
+    assert all(r.numel() == 0 and r.dtype == f.dtype for r, f in zip(bare[2:], full[2:]))
+    leaf = args[0].detach().requires_grad_(True)
+    out = torch.ops.glm53.kda_chunk(leaf, *args[1:], 0.3, None, inputs["cu_seqlens"], precision, False)
+    with pytest.raises(RuntimeError, match="residuals=False"):
+        out[0].sum().backward()

@@ -69,7 +69,8 @@ def test_precision_is_a_literal_in_the_graph():
         [n for n in gm.graph.nodes if n.target in (torch.ops.glm53.kda_chunk, torch.ops.glm53.kda_chunk.default)]
         for gm in graphs
     )
-    assert call_bf16.args[-1] == "bf16" and call_fp32.args[-1] == "fp32"
+    assert call_bf16.args[8] == "bf16" and call_fp32.args[8] == "fp32"
+    assert call_bf16.args[9] is True  # residuals: the graph has a backward
 
 
 def test_explicit_precision_ignores_active_config():

@@ -87,10 +87,12 @@ def test_opcheck_cuda(precision, packed):
     inputs = make_inputs(case, torch.bfloat16, device="cuda")
     args = [inputs[n].requires_grad_(inputs[n].is_floating_point()) for n in ARGS]
     h0 = torch.randn(len(case.lengths), case.heads, case.k_dim, case.v_dim, device="cuda", requires_grad=True)
-    torch.library.opcheck(torch.ops.glm53.kda_chunk, (*args, 0.3, h0, inputs["cu_seqlens"], precision),
+    torch.library.opcheck(torch.ops.glm53.kda_chunk, (*args, 0.3, h0, inputs["cu_seqlens"], precision, True),
                           atol=2e-2, rtol=2e-2)
     plain = [x.detach() for x in args]
-    out = torch.ops.glm53.kda_chunk(*plain, 0.3, h0.detach(), inputs["cu_seqlens"], precision)
+    torch.library.opcheck(torch.ops.glm53.kda_chunk, (*plain, 0.3, h0.detach(), inputs["cu_seqlens"], precision, False),
+                          atol=2e-2, rtol=2e-2)
+    out = torch.ops.glm53.kda_chunk(*plain, 0.3, h0.detach(), inputs["cu_seqlens"], precision, True)
     torch.library.opcheck(torch.ops.glm53.kda_chunk_bwd,
                           (*plain, 0.3, h0.detach(), inputs["cu_seqlens"], precision, *out[2:],
                            torch.randn_like(out[0]), torch.randn_like(out[1])), atol=2e-2, rtol=2e-2)

@@ -16,7 +16,7 @@ from fla.ops.kda.chunk_fwd import chunk_kda_fwd as _fla_chunk_kda_fwd
 from fla.ops.utils.index import prepare_chunk_indices_static
 
 from inductor_ext.kernels.kda_mask_triton import zero_above_chunk_diagonal
-from inductor_ext.ops.kda import CHUNK
+from inductor_ext.ops.kda import CHUNK, drop_residuals
 
 __all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
 
@@ -39,7 +39,7 @@ def _chunk_list(cu_seqlens, T: int):
     return prepare_chunk_indices_static(cu_seqlens, CHUNK, nt_max=-(-T // CHUNK) + n_docs - 1)
 
 
-def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     """CUDA kernel of ``glm53::kda_chunk``: fla's l2norm + chunk_kda_fwd on q/k/v/beta in the
     precision's dtype (g as given: fla accumulates it in FP32); returns o (v's dtype), the FP32 final state and the residuals."""
     out_dtype = v.dtype
@@ -55,9 +55,12 @@ def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
         output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         chunk_size=CHUNK, use_graph=cu_seqlens is not None, chunk_offsets=chunk_offsets,
     )
-    zero_above_chunk_diagonal(Aqk, chunk_indices, cu_seqlens)  # fla leaves it unwritten (torch.empty)
     rstd_shape = q.shape[:3]
-    return (o.to(out_dtype), final_state, qn, kn, q_rstd.view(rstd_shape), k_rstd.view(rstd_shape), g_cumsum, Aqk, Akk)
+    out = (o.to(out_dtype), final_state, qn, kn, q_rstd.view(rstd_shape), k_rstd.view(rstd_shape), g_cumsum, Aqk, Akk)
+    if not residuals:
+        return drop_residuals(out)
+    zero_above_chunk_diagonal(Aqk, chunk_indices, cu_seqlens)  # fla leaves it unwritten (torch.empty)
+    return out
 
 
 def kda_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,

@@ -52,7 +52,10 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
     """
     precision = active_config().kda if precision is None else precision
     scale = _kda_args(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
-    out = torch.ops.glm53.kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
+    # residuals only when a backward can follow (a literal in a compiled graph: Dynamo guards on both)
+    residuals = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    out = torch.ops.glm53.kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals)
     return out[0], out[1]
 
 

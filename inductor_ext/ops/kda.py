@@ -17,6 +17,9 @@ Besides (o, final_state), ``kda_chunk`` returns the residuals its backward reads
 flash-linear-attention's kernels: qn, kn (normalized q/k), q_rstd, k_rstd ``[B,T,H]`` FP32,
 g_cumsum (chunk-local cumulative g in log2 units, FP32), Aqk and Akk⁻¹ ``[B,T,H,64]`` (row = token,
 column = position inside its chunk). Chunks of 64 tokens start at every document start.
+With ``residuals=False`` (forward only: nothing requires a gradient) these seven are empty
+(``[0]``, same dtypes): a forward-only call neither keeps them alive nor pays to define Aqk's
+entries above each chunk's diagonal, which flash-linear-attention leaves unwritten.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "PRECISIONS",
     "kda_chunk_reference",
     "kda_recurrent_reference",
+    "drop_residuals",
     "validate_kda_inputs",
     "check_kda_values",
 ]
@@ -264,10 +268,16 @@ def _kda_chunk_reference_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens,
 _T = torch.Tensor
 
 
-def _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
+def drop_residuals(out: tuple) -> tuple:
+    """``(o, final_state, *residuals)`` with each residual replaced by an empty tensor of its dtype."""
+    return (*out[:2], *(r.new_empty(0) for r in out[2:]))
+
+
+def _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     with torch.no_grad():
-        return tuple(x.contiguous() for x in kda_chunk_reference(
+        out = tuple(x.contiguous() for x in kda_chunk_reference(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, precision))
+    return out if residuals else drop_residuals(out)
 
 
 def _kda_chunk_bwd_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
@@ -280,11 +290,12 @@ def _kda_chunk_bwd_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_s
                          tags=(torch.Tag.needs_contiguous_strides,))
 def kda_chunk(
     q: _T, k: _T, v: _T, g: _T, beta: _T, scale: float,
-    initial_state: _T | None, cu_seqlens: _T | None, precision: str,
+    initial_state: _T | None, cu_seqlens: _T | None, precision: str, residuals: bool,
 ) -> tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T]:
-    """KDA chunk forward: (o, final_state, qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk).
-    CPU kernel = :func:`kda_chunk_reference`; see the module docstring for the contract."""
-    return _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
+    """KDA chunk forward: (o, final_state, qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk), the
+    last seven empty unless ``residuals``. CPU kernel = :func:`kda_chunk_reference`; see the
+    module docstring for the contract."""
+    return _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals)
 
 
 @torch.library.custom_op("glm53::kda_chunk_bwd", mutates_args=(), device_types="cpu",
@@ -331,22 +342,25 @@ backends.register_cuda_kernel(kda_chunk_bwd, "glm53::kda_chunk_bwd", "fla", _kda
 
 # autograd: residual outputs are non-differentiable, grads of unused outputs stay None
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, precision = inputs
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals = inputs
     ctx.mark_non_differentiable(*output[2:])
     ctx.set_materialize_grads(False)
-    ctx.scale, ctx.precision = scale, precision
+    ctx.scale, ctx.precision, ctx.residuals = scale, precision, residuals
     ctx.has_initial_state = initial_state is not None
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *output[2:])
 
 
 def _backward(ctx, do, dht, *_residual_grads):
+    if not ctx.residuals:
+        raise RuntimeError("glm53::kda_chunk ran with residuals=False (forward only); call it with "
+                           "residuals=True (inductor_ext.ops.kda_chunk does when a gradient is needed)")
     q, k, v, g, beta, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.glm53.kda_chunk_bwd(
         q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, ctx.precision, *residuals, do, dht
     )
-    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None, None, None
 
 
 kda_chunk.register_autograd(_backward, setup_context=_setup_context)
