@@ -3,8 +3,12 @@
 flash-linear-attention allocates ``Aqk`` with ``torch.empty`` and writes only its causal part
 (column ``j`` <= row ``i`` inside each 64-token chunk); ``glm53::kda_chunk`` returns it as a
 residual, so the rest must be defined: zero, as in the CPU reference. The kernel only stores
-zeros (no reads), one program per (chunk, batch, block of up to 16 heads); chunks restart at
-every document start.
+zeros (no reads): one program per (chunk, batch, block of up to 16 heads) walks the chunk's 64
+token rows, each a contiguous run of 16 heads × 64 columns (token-major layout) stored with its
+upper-triangle mask; chunks restart at every document start. Measured on the H200 at T=16384,
+H=64 (``[1,T,H,64]``, CUDA-graph replay p50): 96 µs in BF16 and 146 µs in FP32, where one
+``[64, 16·64]`` tile per program took 229 / 226 µs and a masked ``torch`` fill 280 / 223 µs
+(writing the whole tensor: 44 / 63 µs).
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ __all__ = ["zero_above_chunk_diagonal"]
 @triton.jit
 def _zero_above_diagonal_kernel(a_ptr, chunk_indices, cu_seqlens, T, H: tl.constexpr, HB: tl.constexpr,
                                 BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    # one program per (chunk, batch, block of HB heads): a [BT, HB·BT] tile whose rows are
-    # contiguous in memory (token-major layout), so few programs write long coalesced runs
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, h0 = i_bh // (H // HB), (i_bh % (H // HB)) * HB
     if IS_VARLEN:
@@ -33,12 +35,12 @@ def _zero_above_diagonal_kernel(a_ptr, chunk_indices, cu_seqlens, T, H: tl.const
     else:
         start = i_c.to(tl.int64) * BT
         end = T
-    r = tl.arange(0, BT)
     j = tl.arange(0, HB * BT)  # head h0 + j // BT, column j % BT
-    rows = start + r
-    keep = (rows[:, None] < end) & ((j % BT)[None, :] > r[:, None])
-    ptr = a_ptr + ((i_b * T + rows[:, None]) * H + h0) * BT + j[None, :]
-    tl.store(ptr, tl.zeros([BT, HB * BT], dtype=a_ptr.dtype.element_ty), mask=keep)
+    zeros = tl.zeros([HB * BT], dtype=a_ptr.dtype.element_ty)
+    for r in range(BT):
+        row = start + r
+        ptr = a_ptr + ((i_b * T + row) * H + h0) * BT + j
+        tl.store(ptr, zeros, mask=((j % BT) > r) & (row < end))
 
 
 def _head_block(H: int) -> int:
