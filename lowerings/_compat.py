@@ -56,9 +56,8 @@ def register_rounding_lowering(op: torch._ops.OpOverload) -> None:
     ``dtype`` and back, idempotent.
 
     ``ops.to_dtype(..., use_compute_types=False)`` is the store-type conversion (Triton
-    ``x.to(tl.bfloat16)`` / ``tl.float8e4nv``, C++ ``c10::convert``): a real rounding. The default
-    (compute types) maps BF16 to FP32 and would make it a no-op; ``src_dtype`` lets the Triton
-    backend meet its float8 conversion's elements-per-thread rule.
+    ``x.to(tl.bfloat16)``, C++ ``c10::convert``): a real rounding. The default (compute types)
+    maps BF16 to FP32 and would make it a no-op.
     """
     from torch._inductor.lowering import lowerings, make_pointwise, register_lowering
     from torch._inductor.virtualized import ops

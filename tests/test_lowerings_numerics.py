@@ -11,7 +11,7 @@ import inductor_ext
 from inductor_ext import ops
 from lowerings._compat import inductor_config
 from inductor_ext.ops.fp8_qdq import e4m3_cast
-from lowerings._rounding import round_to, ulp_distance
+from lowerings._rounding import round_e4m3, round_to, ulp_distance
 
 BF16 = torch.bfloat16
 
@@ -45,8 +45,8 @@ def test_rounding_helpers_match_dtype_casts_when_compiled():
         assert max_ulps(got, x.to(dtype).float(), f"round_to {dtype}") == 0
 
 
-def test_round_to_e4m3_matches_the_float8_cast():
-    """round_to(v, float8_e4m3fn) (a conversion inside the fused kernel) equals ``v.to(float8_e4m3fn).float()`` bitwise, eager and
+def test_round_e4m3_matches_the_float8_cast():
+    """round_e4m3 (integer bits, fuses) equals ``v.to(float8_e4m3fn).float()`` bitwise, eager and
     compiled, on every BF16 value in [-448, 448], random FP32 patterns scaled into that range,
     exact ties (normal and subnormal), the subnormal/normal boundary, ±0 and NaN (NaN-equal)."""
     b = all_bf16(1).flatten().float()
@@ -59,9 +59,6 @@ def test_round_to_e4m3_matches_the_float8_cast():
     v = torch.cat([b, r, ties, -ties])
     want = e4m3_cast(v)
     nan = v.isnan()  # NaN stays NaN; the payload (the cast keeps the sign) is not part of the contract
-    def round_e4m3(t):
-        return round_to(t, torch.float8_e4m3fn)
-
     for name, got in (("eager", round_e4m3(v)), ("compiled", compiled(round_e4m3, v))):
         assert got[nan].isnan().all(), f"round_e4m3 {name}: NaN lost"
         assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), f"round_e4m3 {name} differs"
