@@ -302,3 +302,107 @@ def test_cuda_graph_replay_equals_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager), "CUDA-graph replay differs from eager"
+
+
+# ---------------------------------------------------------------------------------------------
+# selection kernel paths (interpreter): resident blocks, long rows, ties, special scores
+# ---------------------------------------------------------------------------------------------
+
+
+def _lower_first_ids(logits, q_lo, q_n, tail_start, tail_len, topk, tail):
+    """The kernel's exact output: top pools by descending score, lower pool first among equal
+    scores (-0.0 = +0.0), their tokens, the tail, -1 padding."""
+    width = topk + P - 1
+    out = torch.full((logits.shape[0], width), -1, dtype=torch.int32)
+    K = min(topk // P, logits.shape[1])
+    for t in range(logits.shape[0]):
+        lo, n, ts, tl_ = (int(x[t]) for x in (q_lo, q_n, tail_start, tail_len))
+        nsel = min(n, K)
+        vals = logits[t, lo : lo + n].tolist()
+        order = sorted(range(n), key=lambda j: (-vals[j], j))[:nsel]
+        doc_start = ts - P * n
+        ids = [doc_start + P * j + i for j in order for i in range(P)]
+        out[t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        base = nsel * P if tail == "compact" else topk
+        out[t, base : base + P - 1] = torch.tensor([ts + i if i < tl_ else -1 for i in range(P - 1)], dtype=torch.int32)
+    return out
+
+
+def _selected_scores(ids, logits, q_lo, q_n, tail_start, topk):
+    """Sorted scores of the selected pools per row (-inf where fewer than topk/P)."""
+    K = min(topk // P, logits.shape[1])
+    pool = (ids[:, : K * P : P].long() - (tail_start - P * q_n)[:, None]) // P + q_lo[:, None]
+    ok = torch.arange(K)[None, :] < q_n.clamp(max=K)[:, None]
+    picked = logits.gather(1, torch.where(ok, pool, 0))
+    return torch.where(ok, picked, -float("inf")).sort(1).values
+
+
+def _check_select(kt, logits, rows, topk, tail):
+    got = kt.kpool_select_fwd(logits, *rows, topk, P, tail)
+    want = _lower_first_ids(logits, *rows, topk, tail)
+    bad = (got != want).any(1).nonzero().flatten()
+    assert bad.numel() == 0, f"rows {bad.tolist()[:8]} differ: {got[bad[:1]].tolist()} vs {want[bad[:1]].tolist()}"
+    ref_ids = ref.select_reference(logits, *rows, topk, P, tail)  # may order and pick ties differently
+    q_lo, q_n, tail_start, _ = rows
+    assert torch.equal(_selected_scores(got, logits, q_lo, q_n, tail_start, topk),
+                       _selected_scores(ref_ids, logits, q_lo, q_n, tail_start, topk)), "selected scores differ from the reference"
+
+
+def _special_scores(T, S, seed):
+    """Continuous scores per row, then rows of: all equal, few distinct values (ties straddling
+    the cut), +-0.0 with +inf and -3e38 mixed in, only negative, huge and tiny magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, S, generator=g)
+    kind = torch.arange(T) % 7
+    x[kind == 1] = 0.75
+    x[kind == 2] = torch.randint(-2, 3, (int((kind == 2).sum()), S), generator=g).float()
+    signed_zero = torch.randint(0, 2, (int((kind == 3).sum()), S), generator=g).bool()
+    x[kind == 3] = torch.where(signed_zero, torch.tensor(-0.0), torch.tensor(0.0))
+    x[kind == 3, ::5] = float("inf")
+    x[kind == 3, 1::7] = -3e38  # not -inf: the reference masks invisible slots with -inf
+    x[kind == 4] = -x[kind == 4].abs() - 1.0
+    x[kind == 5] = x[kind == 5] * 1e30
+    x[kind == 6] = x[kind == 6] * 1e-40  # subnormals
+    return x
+
+
+@pytest.mark.parametrize("tail", ["compact", "fixed"])
+def test_select_special_scores_exact(kt, tail):
+    """Rows up to 90 pools (one and two resident block sizes), topk 40 (10 pools): every row equals
+    the lower-index-first ranking, including all-equal rows and tie groups straddling the cut."""
+    T, layout = _layout([362, 41, 9])
+    pick = torch.cat((torch.arange(0, T, 5), torch.tensor([3, 4, 361, 362, 363, T - 1])))  # all 7 kinds
+    logits = _special_scores(T, T // P, seed=3)[pick]
+    _check_select(kt, logits, tuple(r[pick] for r in layout[1:]), 40, tail)
+
+
+def test_select_long_rows_reread(kt, monkeypatch):
+    """Rows longer than the largest resident block (shrunk to 64 pools) re-read the rest on every
+    pass; ties straddling the cut there too."""
+    ksel = importlib.import_module("inductor_ext.kernels.kpool_select_triton")
+    monkeypatch.setattr(ksel, "MAX_BLOCK", 64)
+    T, layout = _layout([803, 130])
+    logits = _special_scores(T, T // P, seed=4)
+    pick = torch.arange(T - 1, 0, -11)[:50]  # q_n 32 .. 2, then 200 .. 98; all 7 kinds
+    rows = tuple(r[pick] for r in layout[1:])
+    _check_select(kt, logits[pick], rows, 48, "compact")
+    long = slice(12, 24)  # q_n 200 .. 172, nsel 70 > block
+    _check_select(kt, logits[pick[long]], tuple(r[long] for r in rows), 4 * 70, "fixed")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pools,topk", [(5000, 2048), (5000, 8192), (33000, 2048)], ids=["warps4", "kp2048", "reread"])
+def test_cuda_select_wide_rows_exact(pools, topk):
+    """Compiled paths the small cases miss: rows past one warp's 4096 resident pools (several warps),
+    2048 selected pools, rows past the largest resident block. Exact lower-index-first output on
+    sampled rows of one long document, special scores included."""
+    from inductor_ext import ops
+
+    T, layout = _layout([P * pools + 3])
+    pick = torch.cat((torch.arange(T - 1, T - 8, -1), torch.arange(0, T, T // 41)))
+    rows = tuple(r[pick] for r in layout[1:])
+    logits = _special_scores(len(pick), pools, seed=9)
+    got = ops.kpool_select(logits.cuda(), *(r.cuda() for r in rows), topk=topk, pool_size=P, tail="compact").cpu()
+    want = _lower_first_ids(logits, *rows, topk, "compact")
+    bad = (got != want).any(1).nonzero().flatten()
+    assert bad.numel() == 0, f"rows {bad.tolist()[:8]} differ (q_n {rows[1][bad[:8]].tolist()})"

@@ -1,20 +1,37 @@
 """Triton causal group selection + token expansion of ``glm53::kpool_select`` (CUDA).
 
-One program per query row: the top ``nsel = min(topk/P, q_n)`` pools among the visible slots
-``[q_lo, q_lo + q_n)``, found without sorting the row:
+One program per query row picks the top ``nsel = min(K, q_n)`` pools (``K = topk/P``) among the
+visible slots ``[q_lo, q_lo + q_n)``. A score becomes an int32 key whose integer order is the float
+order (sign-magnitude to two's complement: ``-0.0`` and ``+0.0`` are both 0); a pool's sort key is
+the exact float64 integer ``key·2^21 + 2^21-1-slot``, so sorting descending lists pools by
+descending score and, among equal scores, lower slot first.
 
-1. threshold: the nsel-th largest score, as an order-preserving 32-bit key, built 4 bits at a time
-   (8 counting passes over the visible slots; skipped when every visible pool is selected);
-2. collection: slots above the threshold, plus the first (lowest-index) slots equal to it until
-   nsel are taken, are compacted into a per-row scratch row of 64-bit keys
-   ``(score key << 32) | (2^32 - 1 - slot)``;
-3. the scratch row is sorted descending (``tl.sort``), so the output lists pools by descending
-   score and, among equal scores, lower pool index first. ``-0.0`` counts as ``+0.0``.
+- ``q_n <= K``: every visible pool is selected; its sort keys go straight to the sort.
+- otherwise the visible scores are read once into registers, an ``[L, B/L]`` block of the L threads
+  (B = the resident block that holds q_n: BLOCK = next_pow2(S) capped at MAX_BLOCK, or BLOCK/2;
+  slots past MAX_BLOCK are re-read on every pass):
+  1. threshold ``tau`` = the nsel-th largest key, by bisection of [min key, max key]: each step one
+     compare + select + add per resident key and one block sum; at most 32 steps, ending early as
+     soon as exactly nsel keys reach the probe (then those are the answer);
+  2. the slots of the keys >= tau (or > tau when ties at tau straddle the cut) go to a per-row
+     scratch row at distinct ranks: running counts along each thread's registers plus one scan
+     over the threads. Ranks need not follow slot order, the sort fixes the order;
+  3. only when ties straddle the cut, one more pass over the row appends the lowest slots whose key
+     is tau (a prefix scan in slot order) until nsel are taken.
+- the <= KP = next_pow2(K) sort keys (gathered again by slot) are sorted by ``tl.sort``; each pool
+  expands to its P tokens, then the tail tokens and -1 padding (``compact``: tail right after the
+  pools; ``fixed``: at columns topk .. topk+P-2).
 
-The CPU reference uses ``torch.topk``, whose order among exactly equal scores is unspecified: token
-sets agree whenever the nsel-th and (nsel+1)-th best visible scores differ; with an exact tie at
-that boundary both pick pools of the same scores (the tests check both properties).
-Cost: 10 passes over the q_n visible scores per row; fine for the 2K–16K pools of current contexts, not tuned further.
+Cost per row: one read of the q_n visible scores (from L2 again for the sort keys and the rare tie
+pass); 11-18 bisection steps on continuous scores, 32 at most, each about 3 instructions per key
+row of a thread and one warp reduction (no barrier: one warp per row up to 4096 pools, 128 keys
+per thread; wider rows or KP > 512 take more warps); one scatter pass; a bitonic sort of KP keys
+(log2(KP)·(log2(KP)+1)/2 compare-exchange steps, a third to a half of the work at KP = 512); the
+write of ``topk + P - 1`` ids. Static shapes only, no host sync; S <= 2^21 pools.
+
+The CPU reference (``torch.topk``) leaves the order among equal scores unspecified: token sets
+agree unless the nsel-th and (nsel+1)-th best scores tie, and then both pick pools of the same
+scores. NaN scores are not supported.
 """
 
 from __future__ import annotations
@@ -25,16 +42,109 @@ import triton.language as tl
 
 __all__ = ["kpool_select_fwd"]
 
-_I64_MIN = tl.constexpr(-(2**63))
+ONE_WARP = 4096  # up to 4096 pools per row: one warp, 128 register-resident keys per thread
+MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
+MAX_REGS = 168  # 12 one-warp rows per SM instead of 8 at ptxas' 255 (spills stay out of the bisection)
+_NONE = tl.constexpr(-(2**31))  # key of slots past q_n (no score has it)
+_I32_MAX = tl.constexpr(2**31 - 1)
+_SLOTS = tl.constexpr(2**21)  # sort keys: exact float64 integers key·2^21 + 2^21-1-slot
 
 
 @triton.jit
-def _score_key(v):
-    """Order-preserving int64 key in [0, 2^32) of FP32 scores (integer order = float order)."""
-    b = v.to(tl.int32, bitcast=True)
-    k = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
-    k = tl.where(v == 0.0, 0, k)
-    return k.to(tl.int64) + 0x80000000
+def _load_keys(lrow, stride_ls, j, q_n):
+    """int32 keys of slots j: integer order = float order, -0.0 = +0.0 = 0; _NONE past q_n."""
+    ok = j < q_n
+    b = tl.load(lrow + j * stride_ls, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+    return tl.where(ok, tl.where(b < 0, -(b & 0x7FFFFFFF), b), _NONE)
+
+
+@triton.jit
+def _block_keys(lrow, stride_ls, start, q_n, B: tl.constexpr, L: tl.constexpr):
+    """Keys and slots ``start + lane + L·r`` as ``[L, B/L]`` tensors: L = 32·num_warps threads
+    along dim 0 (coalesced loads), each holding B/L keys along dim 1."""
+    j = start + tl.arange(0, L)[:, None] + tl.arange(0, B // L)[None, :] * L
+    return _load_keys(lrow, stride_ls, j, q_n), j
+
+
+@triton.jit
+def _sort_key(key, slot):
+    """float64 integer ordered by (score, then lower slot): one compare per bitonic step."""
+    return key.to(tl.float64) * _SLOTS - slot.to(tl.float64) + (_SLOTS - 1)
+
+
+@triton.jit
+def _count_ge(keys, t, one, lrow, stride_ls, q_n, B: tl.constexpr, C: tl.constexpr, L: tl.constexpr,
+              LONG: tl.constexpr):
+    """#(visible keys >= t), t > _NONE; keys = slots [0, B), slots >= B re-read C at a time if LONG.
+    ``one`` is a runtime 1: summing it, not the bool, compiles to compare + select + add."""
+    c = tl.sum(tl.where(keys >= t, one, 0))
+    if LONG:
+        for start in range(B, q_n, C):
+            more, _ = _block_keys(lrow, stride_ls, start, q_n, C, L)
+            c += tl.sum(tl.where(more >= t, one, 0))
+    return c
+
+
+@triton.jit
+def _scatter(keys, j, t, srow, n0, nsel):
+    """Write the slots j of ``keys >= t`` to srow[n0 + rank], ranks distinct but not in slot
+    order: running count along dim 1 (a thread's registers), then across the threads."""
+    sel = (keys >= t).to(tl.int32)
+    lane_n = tl.sum(sel, axis=1)
+    pos = n0 + (tl.cumsum(lane_n, axis=0) - lane_n)[:, None] + tl.cumsum(sel, axis=1) - 1
+    tl.store(srow + pos, j, mask=(sel != 0) & (pos < nsel))
+    return n0 + tl.sum(lane_n, axis=0)
+
+
+@triton.jit
+def _select_top(lrow, stride_ls, q_n, nsel, srow, one, B: tl.constexpr, C: tl.constexpr, L: tl.constexpr,
+                LONG: tl.constexpr):
+    """Steps 1-2 for q_n > nsel visible slots (resident block B, the rest re-read C at a time if
+    LONG). Returns (tau, #keys > tau, whether ties at tau straddle the cut: then only the keys >
+    tau were written)."""
+    keys, j = _block_keys(lrow, stride_ls, 0, q_n, B, L)
+    lo = tl.min(tl.where(keys == _NONE, _I32_MAX, keys))
+    hi = tl.max(keys)
+    if LONG:
+        for start in range(B, q_n, C):
+            more, _ = _block_keys(lrow, stride_ls, start, q_n, C, L)
+            lo = tl.minimum(lo, tl.min(tl.where(more == _NONE, _I32_MAX, more)))
+            hi = tl.maximum(hi, tl.max(more))
+    # invariant: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); int64: no overflow
+    lo = lo.to(tl.int64)
+    hi = hi.to(tl.int64)
+    c_lo = q_n
+    n_above = q_n * 0
+    while lo < hi:
+        mid = lo + ((hi - lo + 1) >> 1)
+        c = _count_ge(keys, mid.to(tl.int32), one, lrow, stride_ls, q_n, B, C, L, LONG)
+        up = c >= nsel  # on an exact hit the keys >= mid are the answer: stop there
+        lo = tl.where(up, mid, lo)
+        c_lo = tl.where(up, c, c_lo)
+        hi = tl.where(c == nsel, mid, tl.where(up, hi, mid - 1))
+        n_above = tl.where(up, n_above, c)
+    tau = lo.to(tl.int32)
+    straddle = c_lo > nsel
+    t = tau + straddle.to(tl.int32)  # straddle: keys > tau only (|key| < 2^31 - 1 without NaN)
+    n = _scatter(keys, j, t, srow, q_n * 0, nsel)
+    if LONG:
+        for start in range(B, q_n, C):
+            more, jj = _block_keys(lrow, stride_ls, start, q_n, C, L)
+            n = _scatter(more, jj, t, srow, n, nsel)
+    return tau, n_above, straddle
+
+
+@triton.jit
+def _append_ties(lrow, stride_ls, q_n, nsel, tau, n_above, srow, C: tl.constexpr):
+    """srow[n_above:nsel] <- the lowest slots whose key is tau (in slot order)."""
+    n_eq = n_above * 0
+    for start in range(0, q_n, C):
+        j = start + tl.arange(0, C)
+        keys = _load_keys(lrow, stride_ls, j, q_n)
+        eq = (keys == tau).to(tl.int32)
+        pos = n_above + n_eq + tl.cumsum(eq, axis=0) - 1
+        tl.store(srow + pos, j, mask=(eq != 0) & (pos < nsel))
+        n_eq += tl.sum(eq, axis=0)
 
 
 @triton.jit
@@ -42,68 +152,45 @@ def _kpool_select_kernel(
     logits_ptr, stride_lm, stride_ls, q_lo_ptr, q_n_ptr, tail_start_ptr, tail_len_ptr,
     out_ptr, scratch_ptr, W, K, TOPK,
     P: tl.constexpr, PP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
-    COMPACT: tl.constexpr, BLOCK: tl.constexpr, W_CHUNKS,
+    COMPACT: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, LONG: tl.constexpr,
+    CHUNK: tl.constexpr, LANES: tl.constexpr, PAD: tl.constexpr, PAD_CHUNKS,
 ):
     row = tl.program_id(0).to(tl.int64)
     q_lo = tl.load(q_lo_ptr + row)
-    q_n = tl.load(q_n_ptr + row)
+    q_n = tl.load(q_n_ptr + row).to(tl.int32)
     t_start = tl.load(tail_start_ptr + row)
     t_len = tl.load(tail_len_ptr + row)
     nsel = tl.minimum(q_n, K)
     lrow = logits_ptr + row * stride_lm + q_lo * stride_ls
-    offs = tl.arange(0, BLOCK)
-    n_chunks = (q_n + BLOCK - 1) // BLOCK  # visible slots only
-
-    # 1. threshold key tau: the largest t with #(key >= t) >= nsel; -1 takes every visible slot
-    tau = tl.zeros((), tl.int64) - 1
-    if q_n > K:
-        tau = tau + 1
-        digit = tl.arange(0, 16).to(tl.int64)
-        for level in range(8):  # 4 bits per pass, counting all 16 candidates at once
-            cand = tau | (digit << (28 - 4 * level))
-            cnt = tl.zeros((16,), tl.int32)
-            for c in range(n_chunks):
-                j = c * BLOCK + offs
-                ok = j < q_n
-                key = _score_key(tl.load(lrow + j * stride_ls, mask=ok, other=0.0))
-                cnt += tl.sum((ok[:, None] & (key[:, None] >= cand[None, :])).to(tl.int32), axis=0)
-            # counts fall with the digit; take the largest digit still keeping >= nsel slots
-            best = tl.sum((cnt >= nsel).to(tl.int64), axis=0) - 1
-            tau = tau | (best << (28 - 4 * level))
-    # 2. compact the selected slots; ties at tau go to the lowest slots
-    n_gt = tl.zeros((), tl.int32)
-    for c in range(n_chunks):
-        j = c * BLOCK + offs
-        ok = j < q_n
-        key = _score_key(tl.load(lrow + j * stride_ls, mask=ok, other=0.0))
-        n_gt += tl.sum((ok & (key > tau)).to(tl.int32), axis=0)
-    need_eq = nsel - n_gt
-    seen_eq = tl.zeros((), tl.int32)
-    taken = tl.zeros((), tl.int32)
-    for c in range(n_chunks):
-        j = c * BLOCK + offs
-        ok = j < q_n
-        key = _score_key(tl.load(lrow + j * stride_ls, mask=ok, other=0.0))
-        eq = (ok & (key == tau)).to(tl.int32)
-        sel = (ok & (key > tau)) | ((eq != 0) & (seen_eq + tl.cumsum(eq, axis=0) <= need_eq))
-        pos = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        # signed 64-bit order = (score, then lower slot) descending
-        packed = ((key - 0x80000000) << 32) | (0xFFFFFFFF - j.to(tl.int64))
-        tl.store(scratch_ptr + row * KP + pos, packed, mask=sel)
-        seen_eq += tl.sum(eq, axis=0)
-        taken += tl.sum(sel.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    # 3. sort the nsel packed keys, expand each pool to its P tokens
+    srow = scratch_ptr + row * KP
     kj = tl.arange(0, KP)
-    packed = tl.load(scratch_ptr + row * KP + kj, mask=kj < nsel, other=_I64_MIN)
+    slot = kj
+    if q_n > K:
+        level = 0  # the smallest block BLOCK >> level that holds q_n (level < LEVELS)
+        for lv in tl.static_range(1, LEVELS):
+            level += (q_n <= (BLOCK >> lv)).to(tl.int32)
+        tau = nsel * 0
+        n_above = nsel * 0
+        straddle = nsel < 0
+        one = (q_lo >= 0).to(tl.int32)  # 1, opaque to the compiler (see _count_ge)
+        for lv in tl.static_range(LEVELS):
+            if level == lv:
+                tau, n_above, straddle = _select_top(lrow, stride_ls, q_n, nsel, srow, one,
+                                                     BLOCK >> lv, CHUNK, LANES, LONG and lv == 0)
+        if straddle:
+            _append_ties(lrow, stride_ls, q_n, nsel, tau, n_above, srow, CHUNK)
+        tl.debug_barrier()  # the scratch row is read back by other threads
+        slot = tl.load(srow + kj, mask=kj < nsel, other=0)
+    # else every visible pool is selected
+    packed = tl.where(kj < nsel, _sort_key(_load_keys(lrow, stride_ls, slot, q_n), slot), -2.0**53)
     packed = tl.sort(packed, descending=True)
-    slot = 0xFFFFFFFF - (packed & 0xFFFFFFFF)
-    first = (t_start - P * q_n) + P * slot  # document start + P·pool index
+    # expand each pool to its P tokens: document start + P·slot + i
+    slot = ((packed.to(tl.int64) & (_SLOTS - 1)) ^ (_SLOTS - 1)).to(tl.int32)
+    first = (t_start - P * q_n).to(tl.int32) + P * slot
     i = tl.arange(0, PP)
     orow = out_ptr + row * W
     tokens = first[:, None] + i[None, :]
-    tl.store(orow + kj[:, None] * P + i[None, :], tokens.to(tl.int32),
-             mask=(kj < nsel)[:, None] & (i < P)[None, :])
+    tl.store(orow + kj[:, None] * P + i[None, :], tokens, mask=(kj < nsel)[:, None] & (i < P)[None, :])
     # tail tokens (or -1) at base .. base+P-2, -1 everywhere else
     if COMPACT:
         base = nsel * P
@@ -112,10 +199,11 @@ def _kpool_select_kernel(
     jt = tl.arange(0, TP)
     tail = tl.where(jt < t_len, t_start + jt, -1)
     tl.store(orow + base + jt, tail.to(tl.int32), mask=jt < P - 1)
-    for c in range(W_CHUNKS):
-        col = c * BLOCK + offs
+    offs = tl.arange(0, PAD)
+    for c in range(nsel * P // PAD, PAD_CHUNKS):
+        col = c * PAD + offs
         pad = (col < W) & (col >= nsel * P) & ((col < base) | (col >= base + P - 1))
-        tl.store(orow + col, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+        tl.store(orow + col, tl.full((PAD,), -1, tl.int32), mask=pad)
 
 
 def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_size: int, tail: str,
@@ -125,10 +213,14 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     Args:
         logits: ``[M, S]`` fp32, any strides (the scorer's padded workspace view).
         q_lo, q_n, tail_start, tail_len: ``[M]`` int64 rows of ``kpool_layout``.
-        topk, pool_size, tail: as the op. A scratch ``[M, next_pow2(min(topk/P, S))]`` int64 buffer
-        is allocated from static shapes.
+        topk, pool_size, tail: as the op.
+        block: columns per store of the -1 padding.
+
+    A scratch ``[M, next_pow2(min(topk/P, S))]`` int32 buffer is allocated from static shapes.
     """
     M, S = logits.shape
+    if S > _SLOTS.value:
+        raise ValueError(f"kpool_select: {S} pool slots, the Triton kernel takes at most {_SLOTS.value}")
     P = pool_size
     W = topk + P - 1
     K = min(topk // P, S)
@@ -136,11 +228,16 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     out = torch.empty(M, W, dtype=torch.int32, device=logits.device)
     if M == 0:
         return out
-    scratch = torch.empty(M, KP, dtype=torch.int64, device=logits.device)
-    block = min(block, max(16, triton.next_power_of_2(max(S, W))))
+    scratch = torch.empty(M, KP, dtype=torch.int32, device=logits.device)
+    BLOCK = min(max(32, triton.next_power_of_2(S)), MAX_BLOCK)
+    levels = 2 if BLOCK // 2 > K and BLOCK >= 64 else 1  # resident blocks BLOCK (, BLOCK/2)
+    warps = min(32, max(1 if BLOCK <= ONE_WARP else BLOCK // 2048, KP // 512))  # <= 16 sort keys/thread
+    pad = min(block, max(16, triton.next_power_of_2(W)))
     q_lo, q_n, tail_start, tail_len = (t.contiguous() for t in (q_lo, q_n, tail_start, tail_len))
     _kpool_select_kernel[(M,)](
         logits, logits.stride(0), logits.stride(1), q_lo, q_n, tail_start, tail_len, out, scratch,
         W, K, topk, P=P, PP=triton.next_power_of_2(P), TP=triton.next_power_of_2(max(P - 1, 1)), KP=KP,
-        COMPACT=tail == "compact", BLOCK=block, W_CHUNKS=triton.cdiv(W, block), num_warps=4)
+        COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK,
+        CHUNK=min(BLOCK, 512 * warps), LANES=32 * warps, PAD=pad, PAD_CHUNKS=triton.cdiv(W, pad),
+        num_warps=warps, maxnreg=min(MAX_REGS, 65536 // (32 * warps)))
     return out
