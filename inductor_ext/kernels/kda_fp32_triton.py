@@ -1,0 +1,392 @@
+"""FP32-accurate KDA chunk forward in Triton: ``kda_fp32_fwd`` (not wired into ``glm53::kda_chunk`` yet).
+
+Same semantics as the forward of ``glm53::kda_chunk(..., precision="fp32")`` (``shared/DESIGN.md`` §4,
+``inductor_ext/ops/kda.py``): q and k are L2-normalised in FP32 (``x / sqrt(Σx² + 1e-6)``), g is the
+per-key natural-log decay (≤ 0) accumulated inside 64-token chunks that restart at every document
+start, beta per (token, head), o in v's dtype, final state FP32 ``[N,H,K,V]``. K, V ≤ 128.
+
+Two kernels, no host synchronisation (the chunk list has the static length ``ceil(T/64) + N - 1``
+when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
+
+1. ``_chunk_kernel``, one program per (chunk slot, head), fully parallel. Reads q, k, g, beta, v (q
+   and k a second time, from cache, after their norms) and writes, chunk-major FP32:
+   ``qg = scale·q̂·e^{gc}``, ``kgᵀ = (k̂·e^{gc_last-gc})ᵀ``, ``Aqk`` (scale·masked q̂–k̂ decay products),
+   ``w = A⁻¹(β k̂ e^{gc})``, ``u = A⁻¹(β v)`` with ``A = I + strict_lower(β_i k̂_i·k̂_j e^{gc_i-gc_j})``,
+   and ``e^{gc_last}`` per chunk.
+   Aqk and A come from tensor-core dots per 16-column block J with one reference row r (row 16J+8)
+   of the chunk cumulative gate: ``(x_i e^{gc_i - gc_r})·(k̂_j e^{gc_r - gc_j})``. Off the diagonal
+   block both factors are ≤ 1; inside it the larger factor is bounded by e^{SPAN} (checked on the
+   data: any gate ≥ -5 per token passes); a block that fails the check takes an exact elementwise
+   path (CUDA cores, every exponent ≤ 0) for that K-slice. The cumulative gate is scanned in FP64
+   and every exponent is a difference of two of its rows rounded once to FP32, so a steep gate early
+   in a chunk does not cost the later tokens ulp(|gc|) of absolute exponent error.
+   A⁻¹: the four 16×16 diagonal blocks are inverted together by a 15-step row sweep ([4,16,16]
+   tiles, FP32 elementwise), then block forward elimination builds the four 16-row blocks of A⁻¹
+   with small IEEE dots.
+2. ``_state_kernel``, one program per (V-block, head, document), sequential over the document's
+   chunks with the state ``[K, BV]`` in registers (as 64-row tiles, so no dot operand exceeds
+   [64, 64]): ``v_new = u - w·h``, ``o = qg·h + Aqk·v_new`` (stored in v's dtype),
+   ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global memory.
+
+Dot precisions: every dot whose inner dimension is K, V or the 64-token chunk (Aqk, A, w, u and the
+four state-kernel products) uses ``input_precision="tf32x3"`` (hi/lo split, three TF32 MMAs,
+FP32-grade products at tensor-core speed); the triangular solve (16×16 diagonal sweep, elementwise,
+and the 16-row elimination dots) uses IEEE FP32: it is small (~0.46 M FMA per chunk and head),
+sequential, and every error there multiplies w and u.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from inductor_ext.ops.kda import CHUNK, L2_EPS
+
+__all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
+
+MAX_DIM = 128
+# Largest exponent a factor of the blocked Aqk / A dots may carry (e^42 ≈ 1.7e18): the products of
+# masked-out pairs (up to e^84 · Σ|q̂||k̂| ≤ e^84) stay finite and the low TF32 half of the smaller
+# factor of any product ≥ 1e-12 stays a normal FP32 number. Gates ≥ -5 per token give at most 40.
+SPAN = 42.0
+
+# ---------------------------------------------------------------------------------------------
+# kernel 1: within-chunk quantities, one program per (chunk slot, head)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _col_block_exact(qh, kh, gc, kJ, gJ, r, J: tl.constexpr):
+    """Column block J of the q̂–k̂ and k̂–k̂ decay products, one column at a time with the exact
+    e^{gc_i - gc_j} (every exponent ≤ 0 after masking): the path for steep gates."""
+    a16 = tl.arange(0, 16)
+    dq = tl.zeros([64, 16], dtype=tl.float32)
+    dk = tl.zeros([64, 16], dtype=tl.float32)
+    for jj in range(16):
+        pick = (a16 == jj)[:, None]
+        kj = tl.sum(tl.where(pick, kJ, 0.0), 0)
+        gj = tl.sum(tl.where(pick, gJ, 0.0), 0)
+        keep = r[:, None] >= 16 * J + jj
+        dec = tl.where(keep, tl.exp(tl.where(keep, gc - gj[None, :], 0.0).to(tl.float32)), 0.0)
+        kd = kj[None, :] * dec
+        col = (a16 == jj)[None, :]
+        dq = tl.where(col, tl.sum(qh * kd, 1)[:, None], dq)
+        dk = tl.where(col, tl.sum(kh * kd, 1)[:, None], dk)
+    return dq, dk
+
+
+@triton.jit
+def _col_block(qh, kh, gc, r, acc_q, acc_k, J: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
+    """Add one K-slice's contribution to column block J (columns 16J..16J+15) of the unmasked
+    q̂–k̂ (acc_q) and k̂–k̂ (acc_k) decay products. qh, kh: [64, BKB] FP32; gc: [64, BKB] FP64."""
+    sel = (tl.arange(0, 4) == J)[:, None, None]
+    # rows 16J..16J+15 (a select over the four row blocks adds three zeros: exact)
+    kJ = tl.sum(tl.where(sel, tl.reshape(kh, [4, 16, BKB]), 0.0), 0)
+    gJ = tl.sum(tl.where(sel, tl.reshape(gc, [4, 16, BKB]), 0.0), 0)
+    ref = tl.sum(tl.where((tl.arange(0, 16) == 8)[:, None], gJ, 0.0), 0)  # gc at row 16J+8
+    below = r[:, None] >= 16 * J
+    left = tl.where(below, gc - ref[None, :], 0.0).to(tl.float32)
+    right = (ref[None, :] - gJ).to(tl.float32)
+    span = tl.maximum(tl.max(left), tl.max(right))
+    if span <= SPAN:
+        el = tl.exp(left)
+        rt = tl.trans(kJ * tl.exp(right))  # [BKB, 16]
+        dq = tl.dot(tl.where(below, qh * el, 0.0), rt, input_precision="tf32x3")
+        dk = tl.dot(tl.where(below, kh * el, 0.0), rt, input_precision="tf32x3")
+    else:
+        dq, dk = _col_block_exact(qh, kh, gc, kJ, gJ, r, J)
+    return acc_q + dq, acc_k + dk
+
+
+@triton.jit
+def _finish_block(acc_q, acc_k, b, r, aqk_ptr, scale, J: tl.constexpr):
+    """Mask column block J: store scale·Aqk (j ≤ i) and return the block of A - I (j < i, ·β_i)."""
+    col = 16 * J + tl.arange(0, 16)
+    tl.store(aqk_ptr + r[:, None] * 64 + col[None, :], tl.where(r[:, None] >= col[None, :], acc_q * scale, 0.0))
+    return tl.where(r[:, None] > col[None, :], acc_k * b[:, None], 0.0)
+
+
+@triton.jit
+def _elim_step(Z, M, lJ, r, J: tl.constexpr, LAST: tl.constexpr):
+    """Block J of the forward elimination: P_J = D_J⁻¹ M_J (rows 16J.. of A⁻¹); rows below lose
+    L[:, J] · P_J. Z: the stacked diagonal inverses [4,16,16]; M: the eliminated identity [64,64]."""
+    ZJ = tl.sum(tl.where((tl.arange(0, 4) == J)[:, None, None], Z, 0.0), 0)  # [16,16]
+    EJ = tl.reshape(tl.where((tl.arange(0, 4) == J)[None, :, None], ZJ[:, None, :], 0.0), [16, 64])
+    P = tl.dot(EJ, M, input_precision="ieee")  # [16,64]
+    if not LAST:
+        M = M - tl.dot(tl.where(r[:, None] >= 16 * (J + 1), lJ, 0.0), P, input_precision="ieee")
+    return P, M
+
+
+@triton.jit
+def _inverse(l0, l1, l2, l3, r):
+    """(I + L)⁻¹ for the strictly lower L given as four [64,16] column blocks."""
+    blk = (r // 16)[:, None]
+    lst = tl.where(blk == 0, l0, 0.0) + tl.where(blk == 1, l1, 0.0)
+    lst = lst + tl.where(blk == 2, l2, 0.0) + tl.where(blk == 3, l3, 0.0)
+    Ld = tl.reshape(lst, [4, 16, 16])  # the four diagonal 16×16 blocks of L
+    ra = tl.arange(0, 16)[None, :, None]
+    cb = tl.arange(0, 16)[None, None, :]
+    Z = tl.where(ra == cb, 1.0, 0.0) + tl.zeros([4, 16, 16], dtype=tl.float32)
+    for s in tl.static_range(1, 16):  # row s of every diagonal inverse, from rows < s
+        lrow = tl.sum(tl.where(ra == s, Ld, 0.0), 1)  # [4,16]: L[16J+s, 16J+b]
+        Z = tl.where(ra == s, Z - tl.sum(lrow[:, :, None] * Z, 1)[:, None, :], Z)
+    c64 = tl.arange(0, 64)
+    M = tl.where(r[:, None] == c64[None, :], 1.0, 0.0)
+    P0, M = _elim_step(Z, M, l0, r, 0, False)
+    P1, M = _elim_step(Z, M, l1, r, 1, False)
+    P2, M = _elim_step(Z, M, l2, r, 2, False)
+    P3, M = _elim_step(Z, M, l3, r, 3, True)
+    rb = tl.arange(0, 4)[:, None, None]
+    A = tl.where(rb == 0, P0[None, :, :], 0.0) + tl.where(rb == 1, P1[None, :, :], 0.0)
+    A = A + tl.where(rb == 2, P2[None, :, :], 0.0) + tl.where(rb == 3, P3[None, :, :], 0.0)
+    return tl.reshape(A, [64, 64])
+
+
+@triton.jit
+def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scale,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr):
+    i_s = tl.program_id(0)
+    i_h = tl.program_id(1)
+    doc = tl.load(chunk_map + 2 * i_s)
+    i_t = tl.load(chunk_map + 2 * i_s + 1)
+    live = doc >= 0  # unused trailing slots of the fixed-length chunk list carry doc = -1
+    doc = tl.maximum(doc, 0)
+    start = tl.load(cu + doc) + i_t.to(tl.int64) * 64
+    n = tl.where(live, tl.minimum(tl.load(cu + doc + 1) - start, 64), 0)
+    r = tl.arange(0, 64)
+    rows = r < n
+    tok = start + r.to(tl.int64)
+    slot = i_s.to(tl.int64) * H + i_h
+
+    # L2 norms in FP32 over the full rows
+    ck = tl.arange(0, BK)
+    m_full = rows[:, None] & (ck < K)[None, :]
+    off_full = tok[:, None] * (H * K) + i_h * K + ck[None, :]
+    qx = tl.load(q + off_full, mask=m_full, other=0.0).to(tl.float32)
+    kx = tl.load(k + off_full, mask=m_full, other=0.0).to(tl.float32)
+    rq = 1.0 / tl.sqrt(tl.sum(qx * qx, 1) + EPS)
+    rk = 1.0 / tl.sqrt(tl.sum(kx * kx, 1) + EPS)
+    b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
+
+    # pass 1 over K-slices: gate cumsum, qg / kgᵀ / βk̂e^{gc} / e^{gc_last}, blocked Aqk and A
+    aq0 = tl.zeros([64, 16], dtype=tl.float32)
+    aq1 = tl.zeros([64, 16], dtype=tl.float32)
+    aq2 = tl.zeros([64, 16], dtype=tl.float32)
+    aq3 = tl.zeros([64, 16], dtype=tl.float32)
+    ak0 = tl.zeros([64, 16], dtype=tl.float32)
+    ak1 = tl.zeros([64, 16], dtype=tl.float32)
+    ak2 = tl.zeros([64, 16], dtype=tl.float32)
+    ak3 = tl.zeros([64, 16], dtype=tl.float32)
+    for kb in range(BK // BKB):
+        c = kb * BKB + tl.arange(0, BKB)
+        m = rows[:, None] & (c < K)[None, :]
+        off = tok[:, None] * (H * K) + i_h * K + c[None, :]
+        qh = tl.load(q + off, mask=m, other=0.0).to(tl.float32) * rq[:, None]
+        kh = tl.load(k + off, mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        # the chunk cumulative gate in FP64: every exponent below is a difference of two of its
+        # rows, which FP32 prefixes would carry with an absolute error ~ulp(|gc|) (6e-5 at |gc| = 960)
+        gc = tl.cumsum(tl.load(g + off, mask=m, other=0.0).to(tl.float64), 0)
+        gl = tl.sum(tl.where((r == n - 1)[:, None], gc, 0.0), 0)  # the chunk's last row (exact select)
+        eg = tl.exp(gc.to(tl.float32))
+        t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
+        tl.store(QG + t_off, qh * eg * scale)
+        tl.store(W + t_off, kh * eg * b[:, None])  # right-hand side of w, solved in pass 2
+        kg = kh * tl.exp((gl[None, :] - gc).to(tl.float32))
+        tl.store(KGT + slot * (BK * 64) + c[None, :] * 64 + r[:, None], kg)
+        tl.store(DEC + slot * BK + c, tl.exp(gl.to(tl.float32)))
+        aq0, ak0 = _col_block(qh, kh, gc, r, aq0, ak0, 0, BKB, SPAN)
+        aq1, ak1 = _col_block(qh, kh, gc, r, aq1, ak1, 1, BKB, SPAN)
+        aq2, ak2 = _col_block(qh, kh, gc, r, aq2, ak2, 2, BKB, SPAN)
+        aq3, ak3 = _col_block(qh, kh, gc, r, aq3, ak3, 3, BKB, SPAN)
+
+    aqk_ptr = AQK + slot * 4096
+    l0 = _finish_block(aq0, ak0, b, r, aqk_ptr, scale, 0)
+    l1 = _finish_block(aq1, ak1, b, r, aqk_ptr, scale, 1)
+    l2 = _finish_block(aq2, ak2, b, r, aqk_ptr, scale, 2)
+    l3 = _finish_block(aq3, ak3, b, r, aqk_ptr, scale, 3)
+    ainv = _inverse(l0, l1, l2, l3, r)
+
+    # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
+    tl.debug_barrier()  # pass 1's W stores come from other threads of this program
+    for kb in range(BK // BKB):
+        c = kb * BKB + tl.arange(0, BKB)
+        t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
+        tl.store(W + t_off, tl.dot(ainv, tl.load(W + t_off), input_precision="tf32x3"))
+    for vb in range(BV // BVB):
+        c = vb * BVB + tl.arange(0, BVB)
+        m = rows[:, None] & (c < V)[None, :]
+        vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + c[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(U + slot * (64 * BV) + r[:, None] * BV + c[None, :],
+                 tl.dot(ainv, vx * b[:, None], input_precision="tf32x3"))
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel 2: the state pass, one program per (V-block, head, document)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  BVT: tl.constexpr, HAS_H0: tl.constexpr):
+    # the state [K, BVT] is held as one or two [≤64, BVT] register tiles (K rows 0-63, 64-127): each
+    # dot's A operand (split into TF32 hi/lo in registers) is then at most [64, 64], which keeps
+    # K = 128 free of register spills
+    KS: tl.constexpr = BK if BK < 64 else 64
+    TWO: tl.constexpr = BK > 64
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.program_id(2)
+    bos = tl.load(cu + i_n)
+    length = tl.load(cu + i_n + 1) - bos
+    slot0 = tl.load(first_slot + i_n)
+    r = tl.arange(0, 64)
+    ck = tl.arange(0, KS)
+    cv = i_v * BVT + tl.arange(0, BVT)
+    c64 = tl.arange(0, 64)
+    m_a = (ck < K)[:, None] & (cv < V)[None, :]
+    m_b = (ck + 64 < K)[:, None] & (cv < V)[None, :]
+    off_a = ((i_n * H + i_h) * K + ck[:, None]).to(tl.int64) * V + cv[None, :]
+    off_b = off_a + 64 * V
+    if HAS_H0:
+        ha = tl.load(h0 + off_a, mask=m_a, other=0.0)
+        hb = tl.load(h0 + off_b, mask=m_b, other=0.0)
+    else:
+        ha = tl.zeros([KS, BVT], dtype=tl.float32)
+        hb = tl.zeros([KS, BVT], dtype=tl.float32)
+    n_chunks = tl.cdiv(length, 64).to(tl.int32)
+    it = 0
+    # a while loop, not range(n_chunks): Triton 3.6's interpreter cannot turn a loaded scalar into a
+    # range bound under numpy 2 (int() of a 1-element array); the loop is not software-pipelined
+    while it < n_chunks:
+        slot = (slot0 + it).to(tl.int64) * H + i_h
+        p_w = W + slot * (64 * BK) + r[:, None] * BK + ck[None, :]
+        p_q = QG + slot * (64 * BK) + r[:, None] * BK + ck[None, :]
+        p_k = KGT + slot * (BK * 64) + ck[:, None] * 64 + c64[None, :]
+        p_d = DEC + slot * BK + ck
+        wh = tl.dot(tl.load(p_w), ha, input_precision="tf32x3")
+        if TWO:
+            wh = tl.dot(tl.load(p_w + 64), hb, wh, input_precision="tf32x3")
+        vn = tl.load(U + slot * (64 * BV) + r[:, None] * BV + cv[None, :]) - wh
+        ov = tl.dot(tl.load(p_q), ha, input_precision="tf32x3")
+        if TWO:
+            ov = tl.dot(tl.load(p_q + 64), hb, ov, input_precision="tf32x3")
+        ov = tl.dot(tl.load(AQK + slot * 4096 + r[:, None] * 64 + c64[None, :]), vn, ov, input_precision="tf32x3")
+        tok = bos + it * 64 + r
+        m_o = (r < length - it * 64)[:, None] & (cv < V)[None, :]
+        tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
+        ha = ha * tl.load(p_d)[:, None] + tl.dot(tl.load(p_k), vn, input_precision="tf32x3")
+        if TWO:
+            hb = hb * tl.load(p_d + 64)[:, None] + tl.dot(tl.load(p_k + 64 * 64), vn, input_precision="tf32x3")
+        it += 1
+    tl.store(ht + off_a, ha, mask=m_a)
+    if TWO:
+        tl.store(ht + off_b, hb, mask=m_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# host wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens):
+    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"kda_fp32_fwd: q, k, g must be [B,T,H,K] of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(g.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(f"kda_fp32_fwd: v must be [B,T,H,V] and beta [B,T,H] with B,T,H = {B},{T},{H}, got "
+                         f"{tuple(v.shape)} and {tuple(beta.shape)}")
+    V = v.shape[-1]
+    if not (1 <= K <= MAX_DIM and 1 <= V <= MAX_DIM):
+        raise ValueError(f"kda_fp32_fwd: head dims K, V must be in 1..{MAX_DIM}, got K={K}, V={V}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"kda_fp32_fwd: {name} must be float32 or bfloat16, got {t.dtype}")
+    if g.dtype != torch.float32:
+        raise ValueError(f"kda_fp32_fwd: g (log-decay) must be float32, got {g.dtype}")
+    if cu_seqlens is not None:
+        if cu_seqlens.dtype != torch.int64 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("kda_fp32_fwd: cu_seqlens must be a 1-D int64 tensor of N+1 >= 2 offsets")
+        if B != 1:
+            raise ValueError(f"kda_fp32_fwd: batch must be 1 when cu_seqlens packs documents, got B={B}")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and (initial_state.dtype != torch.float32
+                                      or tuple(initial_state.shape) != (N, H, K, V)):
+        raise ValueError(f"kda_fp32_fwd: initial_state must be float32 [N,H,K,V] = {(N, H, K, V)}, got "
+                         f"{initial_state.dtype} {tuple(initial_state.shape)}")
+
+
+def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-side, fixed length: (document, chunk) per slot ``[n_slots, 2]`` int32 (document -1 =
+    unused slot) and each document's first slot ``[N]`` int32. No host synchronisation."""
+    nch = (cu[1:] - cu[:-1] + (CHUNK - 1)).div(CHUNK, rounding_mode="floor")
+    ends = torch.cumsum(nch, 0)
+    first = ends - nch
+    slots = torch.arange(n_slots, device=cu.device, dtype=ends.dtype)
+    doc = torch.searchsorted(ends, slots, right=True)  # a fresh tensor, not a slice (see ops.packing)
+    live = doc < nch.shape[0]
+    doc = doc.clamp(max=nch.shape[0] - 1)
+    t = slots - first[doc]
+    chunk_map = torch.stack([torch.where(live, doc, -1), torch.where(live, t, 0)], 1)
+    return chunk_map.to(torch.int32).contiguous(), first.to(torch.int32).contiguous()
+
+
+def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
+                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4)):
+    """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
+
+    q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16, g ``[B,T,H,K]`` FP32, beta ``[B,T,H]``,
+    optional FP32 initial_state ``[N,H,K,V]``, optional int64 cu_seqlens ``[N+1]`` (then B = 1).
+    Returns (o in v's dtype ``[B,T,H,V]``, final state FP32 ``[N,H,K,V]``). Tuning knobs, not
+    semantics: ``block_k`` (K and V columns per step of the chunk kernel's loops), ``block_v`` (V
+    columns per state-pass program) and ``warps`` (chunk kernel, state kernel). On the H200 (triton
+    3.6) 8 warps in the chunk kernel fault with an illegal memory access at T=2048, H=64 (two
+    warpgroups on M=64 tf32x3 dots, n8 wgmma); 4 warps run (see ``notes/kda-fp32-kernels.md``).
+    """
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    BK, BV = _pow2(K), _pow2(V)
+    for name, blk in (("block_k", block_k), ("block_v", block_v)):
+        if blk not in (16, 32, 64):
+            raise ValueError(f"kda_fp32_fwd: {name} must be 16, 32 or 64, got {blk}")
+    BKB, BVB, BVT = min(BK, block_k), min(BV, block_k), min(BV, block_v)
+    if cu_seqlens is None:
+        N = B
+        cu = torch.arange(B + 1, device=dev, dtype=torch.int64) * T
+        n_slots = B * triton.cdiv(T, CHUNK)
+    else:
+        N = cu_seqlens.numel() - 1
+        cu = cu_seqlens.contiguous()
+        n_slots = triton.cdiv(T, CHUNK) + N - 1
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty_like(v)
+    final = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    chunk_map, first_slot = _chunk_list(cu, max(n_slots, 1))
+    f32 = dict(device=dev, dtype=torch.float32)
+    QG = torch.empty(max(n_slots, 1), H, CHUNK, BK, **f32)
+    W = torch.empty_like(QG)
+    KGT = torch.empty(max(n_slots, 1), H, BK, CHUNK, **f32)
+    U = torch.empty(max(n_slots, 1), H, CHUNK, BV, **f32)
+    AQK = torch.empty(max(n_slots, 1), H, CHUNK, CHUNK, **f32)
+    DEC = torch.empty(max(n_slots, 1), H, BK, **f32)
+    if n_slots > 0 and H > 0:
+        _chunk_kernel[(n_slots, H)](
+            q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, float(scale),
+            H=H, K=K, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0])
+    if N > 0 and H > 0:
+        h0 = initial_state.contiguous() if initial_state is not None else final
+        _state_kernel[(BV // BVT, H, N)](
+            QG, KGT, W, U, AQK, DEC, o, h0, final, cu, first_slot,
+            H=H, K=K, V=V, BK=BK, BV=BV, BVT=BVT, HAS_H0=initial_state is not None,
+            num_warps=warps[1])
+    return o, final

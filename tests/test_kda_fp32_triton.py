@@ -1,0 +1,281 @@
+"""The FP32-accurate KDA forward in Triton (``inductor_ext.kernels.kda_fp32_triton``) against the
+independent FP64 token recurrence of ``tests/kda_fp64.py``.
+
+CPU: Triton's interpreter (``TRITON_INTERPRET=1 python -m pytest tests/test_kda_fp32_triton.py``),
+small geometries, each run twice: with the interpreter's own FP32 matmul for every ``tl.dot``, and
+with ``tf32x3`` dots emulated the way Triton lowers them on NVIDIA (operands split into a TF32 high
+part, ``cvt.rna``, and the remainder, which the tensor core reads truncated to TF32; three products,
+the low·low one dropped); a dot left at the default ``tf32`` precision fails the bound (one state
+dot at ``tf32``: 4e-5) and is named by the fixture. BF16 stores are rounded to nearest even as on
+the GPU. CUDA (``python -m pytest -m cuda tests/test_kda_fp32_triton.py``, not under the
+interpreter): the H200 geometry H = 64, K = V = 128.
+"""
+
+import inspect
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from inductor_ext.kernels import kda_fp32_triton  # noqa: E402
+from inductor_ext.kernels.kda_fp32_triton import kda_fp32_fwd  # noqa: E402
+from tests.kda_fp64 import TOL, Case, assert_rel_l2, make_inputs, recurrence_fp64, rel_l2, round_bf16  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (Triton's CPU interpreter)")
+ARGS = ("q", "k", "v", "g", "beta")
+
+CASES = [
+    Case("packed-37-28-initial-state", (37, 28), heads=2, k_dim=32, v_dim=32, initial_state=True),
+    Case("T129-chunk-boundary", (129,), heads=2, k_dim=64, v_dim=64),
+    # a document of exactly one chunk, an empty one, V not a power of two
+    Case("packed-64-0-45-initial-state", (64, 0, 45), heads=2, k_dim=32, v_dim=24, initial_state=True),
+    # the H200 head dims (state held as two 64-row tiles, four 32-column K steps) and an odd K
+    Case("T70-K128", (70,), heads=2, k_dim=128, v_dim=128),
+    Case("packed-50-40-K96-initial-state", (50, 40), heads=2, k_dim=96, v_dim=48, initial_state=True),
+]
+ids = [c.name for c in CASES]
+
+
+# ---------------------------------------------------------------------------------------------
+# tf32x3 emulation for the interpreter
+# ---------------------------------------------------------------------------------------------
+
+
+def _tf32_rna(x: np.ndarray) -> np.ndarray:
+    """FP32 -> TF32 (10 mantissa bits), round to nearest, ties away from zero (``cvt.rna.tf32.f32``)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+def _tf32_trunc(x: np.ndarray) -> np.ndarray:
+    """What a TF32 tensor-core input keeps of an FP32 register: the top 19 bits."""
+    return (x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@pytest.fixture(params=["fp32", "tf32x3"])
+def dots(request, monkeypatch):
+    """``fp32``: the interpreter's FP32 matmul for every dot; ``tf32x3``: NVIDIA's lowering emulated."""
+    if request.param == "tf32x3":
+        from triton.runtime import interpreter
+        from triton.runtime.interpreter import TensorHandle
+
+        original = interpreter.InterpreterBuilder.create_dot
+        seen = set()
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            name = getattr(input_precision, "name", str(input_precision)).lower()
+            seen.add(name)
+            if a.data.dtype != np.float32 or b.data.dtype != np.float32 or name == "ieee":
+                return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+            a_hi, b_hi = _tf32_rna(a.data), _tf32_rna(b.data)
+            out = d.data.astype(np.float32)
+            if name == "tf32x3":
+                a_lo, b_lo = _tf32_trunc(a.data - a_hi), _tf32_trunc(b.data - b_hi)
+                small = np.matmul(a_lo, b_hi) + np.matmul(a_hi, b_lo)
+                out = out + np.where(np.isnan(small), np.float32(0), small)
+            elif name != "tf32":
+                raise AssertionError(f"unexpected dot precision {name}")
+            out = (out + np.matmul(a_hi, b_hi)).astype(np.float32)
+            return TensorHandle(out, d.dtype.scalar)
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+        yield request.param
+        assert seen <= {"tf32x3", "ieee"}, f"a dot ran at precision(s) {sorted(seen - {'tf32x3', 'ieee'})}"
+    else:
+        yield request.param
+
+
+@pytest.fixture
+def rne_bf16(monkeypatch):
+    """The interpreter casts FP32 to BF16 by truncation; compiled Triton rounds to nearest even
+    (``cvt.rn.bf16.f32``). Emulate the hardware so BF16 outputs are judged as they will be stored."""
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import TensorHandle
+    import triton.language as tl
+
+    original = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+
+
+def _run(inputs, **kw):
+    scale = inputs["q"].shape[-1] ** -0.5
+    return kda_fp32_fwd(*(inputs[n] for n in ARGS), scale, inputs["initial_state"], inputs["cu_seqlens"], **kw)
+
+
+def _reference(inputs):
+    scale = inputs["q"].shape[-1] ** -0.5
+    return recurrence_fp64(*(inputs[n] for n in ARGS), scale, inputs["initial_state"], inputs["cu_seqlens"])
+
+
+def _check_fp32(label, o, s, o_ref, s_ref):
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    errs = (assert_rel_l2("o", o, o_ref, TOL["fp32"]["o"]),
+            assert_rel_l2("final_state", s, s_ref, TOL["fp32"]["state"]))
+    print(f"\n[{label}] o={errs[0]:.2e} state={errs[1]:.2e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# interpreter tests
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_fp32_inputs_match_fp64_recurrence(case, dots):
+    inputs = make_inputs(case, torch.float32)
+    o, s = _run(inputs)
+    _check_fp32(f"{dots} {case.name}", o, s, *_reference(inputs))
+
+
+@needs_interpreter
+def test_unpacked_batch_restarts_state_per_sequence(dots):
+    """B = 2 without cu_seqlens is the same computation as the two sequences packed."""
+    packed = make_inputs(Case("2x70", (70, 70), heads=2, k_dim=32, v_dim=32, initial_state=True), torch.float32)
+    batched = {n: packed[n].reshape(2, 70, *packed[n].shape[2:]) for n in ARGS}
+    batched.update(initial_state=packed["initial_state"], cu_seqlens=None)
+    o, s = _run(batched)
+    o_ref, s_ref = _reference(packed)
+    _check_fp32(f"{dots} unpacked B=2", o.reshape(o_ref.shape), s, o_ref, s_ref)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("force_exact", [False, True], ids=["guarded", "exact-everywhere"])
+def test_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
+    """Gates of -30 per token in a quarter of the keys put e^{±240} into a 16-token block: those
+    blocks must take the exact elementwise path; forcing it everywhere must give the same answer."""
+    inputs = make_inputs(Case("steep", (100,), heads=2, k_dim=32, v_dim=32, initial_state=True), torch.float32)
+    inputs["g"][..., ::4] = -30.0
+    inputs["g"][:, 32:80, 1, :] = -0.01  # head 1: rows 32-79 stay on the fast path
+    if force_exact:
+        monkeypatch.setattr(kda_fp32_triton, "SPAN", -1.0)
+    o, s = _run(inputs)
+    _check_fp32(f"{dots} steep gates exact={force_exact}", o, s, *_reference(inputs))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES[:2], ids=ids[:2])
+def test_bf16_inputs_against_rounded_fp64(case, dots, rne_bf16):
+    inputs = make_inputs(case, torch.bfloat16)
+    o, s = _run(inputs)
+    o_ref, _ = _reference(inputs)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    err = assert_rel_l2("o", o, round_bf16(o_ref), TOL["bf16_io"]["fp32"])
+    print(f"\n[{dots} bf16 io {case.name}] o={err:.2e}")
+
+
+@pytest.fixture
+def bounds_checked(monkeypatch):
+    """Every active lane of every interpreted load and store must fall inside one tensor argument
+    of the launch (all of it inside the tensor that holds its first lane, so an overrun into a
+    neighbouring buffer counts). The interpreter itself dereferences raw host addresses and would
+    read or write past a buffer without complaint; hardware faults. Yields the list of violations."""
+    from triton.runtime import interpreter
+
+    extents, bad = [], []
+    init_args = interpreter.GridExecutor._init_args_hst
+
+    def _init_args_hst(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        names = list(inspect.signature(self.fn).parameters)
+        extents.clear()
+        for name, x in [*zip(names, args_hst), *kwargs_hst.items()]:
+            if isinstance(x, torch.Tensor):
+                extents.append((name, x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()))
+        return args_hst, kwargs_hst
+
+    def check(kind, ptrs, mask):
+        """Record the access if any active lane leaves the tensor; return the mask without those
+        lanes, so that a bad store or load is reported instead of corrupting the test process."""
+        size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+        p = np.asarray(ptrs.data).astype(np.uint64)
+        active = np.broadcast_to(np.asarray(mask.data, dtype=bool), p.shape)
+        if not active.any():
+            return mask
+        first = int(p[active].flat[0])
+        owner = [(n, lo, hi) for n, lo, hi in extents if lo <= first and first + size <= hi]
+        inside = (p >= owner[0][1]) & (p + size <= owner[0][2]) if owner else np.zeros(p.shape, dtype=bool)
+        if not inside[active].all():
+            bad.append((kind, tuple(interpreter.interpreter_builder.grid_idx), owner[0][0] if owner else None))
+            return interpreter.TensorHandle(active & inside, mask.dtype)
+        return mask
+
+    load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
+
+    def create_masked_load(self, ptrs, mask, other, *a):
+        return load(self, ptrs, check("load", ptrs, mask), other, *a)
+
+    def create_masked_store(self, ptrs, value, mask, *a):
+        return store(self, ptrs, value, check("store", ptrs, mask), *a)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "_init_args_hst", _init_args_hst)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", create_masked_load)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", create_masked_store)
+    yield bad
+
+
+BOUNDS_CASES = [
+    # the H200 failure's shape scaled down: unpacked B = 1, K = V = 128, BF16 q/k/v/beta, last chunk partial
+    (Case("T130-K128-bf16", (130,), heads=2, k_dim=128, v_dim=128), torch.bfloat16, {}),
+    (Case("T130-K128-blocks64", (130,), heads=2, k_dim=128, v_dim=128), torch.float32, dict(block_k=64, block_v=64)),
+    (CASES[2], torch.float32, dict(block_k=16, block_v=16)),  # packed, an empty document, V = 24
+    (CASES[4], torch.float32, {}),  # packed, K = 96, V = 48, initial state
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case,dtype,kw", BOUNDS_CASES, ids=[c.name for c, _, _ in BOUNDS_CASES])
+def test_every_access_stays_inside_its_tensor(case, dtype, kw, bounds_checked):
+    inputs = make_inputs(case, dtype)
+    inputs["g"] = inputs["g"].float()
+    _run(inputs, **kw)
+    assert not bounds_checked, f"{len(bounds_checked)} out-of-bounds accesses, first: {bounds_checked[:3]}"
+
+
+def test_rejects_head_dims_above_128():
+    q = torch.zeros(1, 4, 1, 160)
+    with pytest.raises(ValueError, match="head dims K, V must be in 1..128"):
+        kda_fp32_fwd(q, q, torch.zeros(1, 4, 1, 32), q, torch.zeros(1, 4, 1), 0.1, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# H200
+# ---------------------------------------------------------------------------------------------
+
+H200_CASES = [
+    Case("T2048", (2048,), heads=64, k_dim=128, v_dim=128),
+    Case("packed-700-1348-initial-state", (700, 1348), heads=64, k_dim=128, v_dim=128, initial_state=True),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET, reason="the H200 geometry is for compiled kernels, not the interpreter")
+@pytest.mark.parametrize("case", H200_CASES, ids=[c.name for c in H200_CASES])
+def test_cuda_h64_k128_fp32_and_bf16_inputs(case):
+    inputs = make_inputs(case, torch.float32, device="cuda")
+    o, s = _run(inputs)
+    _check_fp32(f"cuda {case.name}", o, s, *_reference(inputs))
+    bf16 = {n: (x.to(torch.bfloat16) if n in ("q", "k", "v", "beta") else x) for n, x in inputs.items()}
+    o16, _ = _run(bf16)
+    err = rel_l2(o16, round_bf16(_reference(bf16)[0]))
+    print(f"[cuda bf16 io {case.name}] o={err:.2e}")
+    assert err <= TOL["bf16_io"]["fp32"], f"o (bf16 inputs): {err:.3e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRET, reason="the H200 geometry is for compiled kernels, not the interpreter")
+def test_cuda_h64_k128_t16384():
+    inputs = make_inputs(Case("T16384", (16384,), heads=64, k_dim=128, v_dim=128), torch.float32, device="cuda")
+    o, s = _run(inputs)
+    _check_fp32("cuda T16384", o, s, *_reference(inputs))
