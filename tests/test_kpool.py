@@ -371,3 +371,19 @@ def test_logits_fake_reproduces_workspace_strides():
     assert real.stride() == fake.stride() == (workspace.mqa_logits_stride(5, "legacy"), 1), \
         f"logits strides: real {real.stride()} fake {fake.stride()}"
     assert real.untyped_storage().nbytes() == workspace.mqa_logits_bytes(23, 5, HEADS, "legacy")
+
+
+def test_select_reference_never_picks_invisible_slots_even_at_minus_inf():
+    """Visible pools whose scores are all -inf still beat the invisible slots (a -inf mask would tie
+    with them), and equal scores go to the lowest slot first."""
+    from inductor_ext.ops.kpool_reference import select_reference
+
+    P, S = 4, 8
+    logits = torch.full((2, S), float("-inf"))
+    logits[1] = 0.0
+    q_lo, q_n = torch.tensor([2, 2]), torch.tensor([3, 5])
+    tail_start = 100 + P * q_n  # document start 100
+    out = select_reference(logits, q_lo, q_n, tail_start, torch.zeros(2, dtype=torch.int64), 4 * P, P, "compact")
+    first = out[:, ::P][:, :4]
+    assert first[0].tolist() == [100, 104, 108, -1]  # the 3 visible pools, then padding
+    assert first[1].tolist() == [100, 104, 108, 112]  # 4 of 5 visible pools, lowest slots first

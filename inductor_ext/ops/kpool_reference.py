@@ -219,7 +219,7 @@ def select_reference(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     """Causal group selection and token expansion → int32 ``[M, topk + P - 1]``.
 
     Per row: the top ``min(topk/P, q_n)`` pools among slots ``[q_lo, q_lo + q_n)`` (score order,
-    descending), each expanded to its P global token ids, then the ``tail_len`` visible tail
+    descending; equal scores lowest slot first), each expanded to its P global token ids, then the ``tail_len`` visible tail
     tokens, then -1. ``tail="compact"`` puts the tail right after the selected pools (serving);
     ``"fixed"`` at columns ``topk .. topk+P-2``.
     """
@@ -233,8 +233,11 @@ def select_reference(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     if K > 0:
         cols = torch.arange(S, device=dev, dtype=torch.int64)
         visible = (cols >= q_lo[:, None]) & (cols < (q_lo + q_n)[:, None])
-        masked = logits.masked_fill(~visible, float("-inf"))
-        idx = masked.topk(K, dim=1, largest=True, sorted=True).indices  # [M,K]
+        # visible slots first, by descending score, equal scores lowest slot first (two stable
+        # sorts); masking invisible slots with -inf instead would let them tie with -inf scores
+        order = torch.sort(logits, dim=1, descending=True, stable=True).indices
+        by_visibility = torch.sort(visible.gather(1, order).to(torch.int8), dim=1, descending=True, stable=True)
+        idx = order.gather(1, by_visibility.indices[:, :K])  # [M,K]
         keep = torch.arange(K, device=dev)[None, :] < nsel[:, None]
         first = _slot_first_token(idx, tail_start, q_lo, q_n, P)
         tokens = first[..., None] + torch.arange(P, device=dev)
