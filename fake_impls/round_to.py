@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-import inductor_ext.ops.round_to  # noqa: F401  (defines the op)
+from inductor_ext.ops.round_to import validate_round_to_inputs  # (importing it defines the op)
 
 __all__ = ["round_to_fake"]
 
 
 @torch.library.register_fake("glm53::round_to")
 def round_to_fake(x, dtype):
-    """Output of ``glm53::round_to`` as an empty tensor: x's shape, FP32."""
+    """Output of ``glm53::round_to`` as an empty tensor: x's shape, FP32. Validates like the
+    kernel: under Inductor only the fake and the lowering run."""
+    validate_round_to_inputs(x, dtype)
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)

@@ -19,10 +19,10 @@ Protocol (reduced model from ``graphs/``: ``tiny`` on the CPU, ``h200_stack`` on
    sampled token y (an unbiased estimator of KL(serve ‖ train)), ``mean |r|``, and the max (and mean)
    exact per-token KL(serve ‖ train) over the vocabulary.
 
-Floor: the serving forward itself, re-run over the whole sequences (the packed prefill a training
-step does) and scored like an arm against the decode's log-probabilities (``serving_reforward``).
+Floor: the serving forward itself, re-run over each whole sequence (as teacher forcing runs the
+training model) and scored like an arm against the decode's log-probabilities (``serving_reforward``).
 On the CPU the decode is bitwise the re-forward, so it is 0; on a GPU, GEMMs pick kernels by batch
-shape, so one decode row and the same row inside a packed forward differ in the last bits, and a
+shape, so one decode row and the same row inside a full-sequence forward differ in the last bits, and a
 calibrated model turns that into a measurable k3: mismatch no precision setting of the training
 model can remove.
 

@@ -7,9 +7,10 @@ decomposition table, which AOTAutograd applies only when the backend is ``"induc
 and ``aot_eager`` therefore keep the reference kernels, and Inductor fuses the decomposed work
 into the kernels around it. The ops' ``register_autograd`` backward formulas are plain torch,
 so their backward graphs are ATen ops already and fuse the same way. Every rounding point of a
-contract goes through ``glm53::round_to`` (:mod:`lowerings._rounding`), lowered to a hardware
-conversion inside the fused kernel, which fusion cannot elide. The ops that must stay opaque (KDA chunk, the KPool scorer) carry layout tags on
-their ``torch.library.custom_op`` definitions instead.
+contract is kept by :mod:`lowerings._rounding` (BF16 / FP16 through ``glm53::round_to``, lowered
+to a hardware conversion inside the fused kernel; e4m3 on the integer bits), which fusion cannot
+elide. The ops that must stay opaque (KDA chunk, the KPool scorer) carry layout tags on their
+``torch.library.custom_op`` definitions instead.
 """
 
 from __future__ import annotations

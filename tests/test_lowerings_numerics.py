@@ -156,3 +156,16 @@ def test_mhc_measured_ulps():
     assert max_ulps(mixed, rmixed, "mhc_pre mixed") <= 4
     for got, ref, name in ((p, rp, "mhc_pre post"), (c, rc, "mhc_pre comb")):
         assert ((got - ref).abs() <= 1e-5 * ref.abs()).all(), name
+
+
+def test_round_to_rejects_what_it_cannot_round():
+    """glm53::round_to takes FP32 and rounds to BF16 or FP16 only, in the kernel and in the fake
+    (under Inductor only the fake and the lowering run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(ValueError, match="round_to"):
+        torch.ops.glm53.round_to(torch.zeros(4), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="round_to"):
+        torch.ops.glm53.round_to(torch.zeros(4, dtype=torch.float64), BF16)
+    with FakeTensorMode(), pytest.raises(ValueError, match="round_to"):
+        torch.ops.glm53.round_to(torch.empty(4), torch.float8_e4m3fn)

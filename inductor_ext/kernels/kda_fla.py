@@ -41,7 +41,8 @@ def _chunk_list(cu_seqlens, T: int):
 
 def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     """CUDA kernel of ``glm53::kda_chunk``: fla's l2norm + chunk_kda_fwd on q/k/v/beta in the
-    precision's dtype (g as given: fla accumulates it in FP32); returns o (v's dtype), the FP32 final state and the residuals."""
+    precision's dtype (g as given: fla accumulates it in FP32); returns o (v's dtype), the FP32
+    final state and the residuals (empty unless ``residuals``)."""
     out_dtype = v.dtype
     dt = _compute_dtype(precision)
     v, beta = (x.to(dt).contiguous() for x in (v, beta))

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil", "pow2_reciprocal",
-           "validate_fp8_qdq_inputs"]
+__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil",
+           "pow2_reciprocal", "validate_fp8_qdq_inputs"]
 
 GROUP = 128
 FP8_MAX = 448.0

@@ -219,8 +219,8 @@ def select_reference(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     """Causal group selection and token expansion → int32 ``[M, topk + P - 1]``.
 
     Per row: the top ``min(topk/P, q_n)`` pools among slots ``[q_lo, q_lo + q_n)`` (score order,
-    descending; equal scores lowest slot first), each expanded to its P global token ids, then the ``tail_len`` visible tail
-    tokens, then -1. ``tail="compact"`` puts the tail right after the selected pools (serving);
+    descending; equal scores lowest slot first), each expanded to its P global token ids, then the
+    ``tail_len`` visible tail tokens, then -1. ``tail="compact"`` puts the tail right after the selected pools (serving);
     ``"fixed"`` at columns ``topk .. topk+P-2``.
     """
     M, S = logits.shape

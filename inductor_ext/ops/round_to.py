@@ -4,8 +4,7 @@ The rounding point of the Inductor decompositions (:mod:`lowerings._rounding`), 
 path of its own: ``round_to(x, dtype) == x.to(dtype).float()`` (round to nearest even; NaN stays
 NaN) for ``dtype`` in bfloat16 and float16. Inductor fuses a plain ``x.to(bfloat16).float()``
 into one FP32 value (it drops the round trip), so the decompositions call this op instead: its
-Inductor lowering
-(:func:`lowerings._compat.register_rounding_lowering`) emits the hardware conversion and back
+Inductor lowering (:func:`lowerings._compat.register_rounding_lowering`) emits the hardware conversion and back
 *inside* the fused kernel, where no pass removes it.
 """
 
@@ -13,15 +12,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUNDING_DTYPES", "round_to_reference"]
+__all__ = ["ROUNDING_DTYPES", "round_to_reference", "validate_round_to_inputs"]
 
 ROUNDING_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def round_to_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Plain-torch kernel (every device): FP32 ``x`` → ``x.to(dtype).float()``."""
+def validate_round_to_inputs(x: torch.Tensor, dtype: torch.dtype) -> None:
+    """x FP32 and dtype one of :data:`ROUNDING_DTYPES`; raise ``ValueError``."""
     if x.dtype != torch.float32 or dtype not in ROUNDING_DTYPES:
         raise ValueError(f"round_to: x must be float32 and dtype one of {ROUNDING_DTYPES}, got {x.dtype}, {dtype}")
+
+
+def round_to_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Plain-torch kernel (every device): FP32 ``x`` → ``x.to(dtype).float()``."""
+    validate_round_to_inputs(x, dtype)
     return x.to(dtype).float()
 
 
