@@ -57,11 +57,15 @@ def _run(argv) -> int:
     rep = sub.add_parser("report", help="accuracy, compile and (CUDA) timing report")
     rep.add_argument("--out", type=pathlib.Path, default=pathlib.Path("report_out"))
     rep.add_argument("--device", choices=("cpu", "cuda"))
-    rep.add_argument("--tokens", type=int, nargs="+", help="token counts of the CUDA timing (default 129 2048 16384)")
+    rep.add_argument("--tokens", type=int, nargs="+",
+                     help="token counts of the CUDA timing: KDA at each, the other benches at the first "
+                          "(default: KDA at 129 2048 16384, each other bench its own)")
     ben = sub.add_parser("bench", help="CUDA-graph replay timing")
     ben.add_argument("what", choices=("kda", "kpool", "moe", "layer", "all"))
     ben.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
-    ben.add_argument("--tokens", type=int, nargs="+")
+    ben.add_argument("--tokens", type=int, nargs="+",
+                     help="KDA at each token count, the other benches at the first (default: KDA at 129 2048 "
+                          "16384, each other bench its own)")
     ben.add_argument("--samples", type=int, default=50)
     sub.add_parser("doctor", help="versions, usable back-ends, which kernel each op takes")
     mis = sub.add_parser("mismatch", help="fixed-token train/serve mismatch-KL ablation over PrecisionConfig arms")
@@ -107,29 +111,10 @@ def _run(argv) -> int:
         print(f"wrote {args.out}/report.json, report.md, report.png")
         return 0
     _device("cuda", "bench times CUDA-graph replays; run it on a GPU machine, or `report` on this one")
-    from inductor_ext.bench import DEFAULT_TOKENS, bench_kda, format_kda
-    from inductor_ext.bench_kpool import bench_kpool, format_kpool
+    from inductor_ext.bench import BENCHES, format_benches, run_benches
 
-    results = {}
-    if args.what in ("kda", "all"):
-        results["kda"] = bench_kda(tokens=args.tokens or DEFAULT_TOKENS, samples=args.samples, progress=progress)
-        print(format_kda(results["kda"]))
-    if args.what in ("kpool", "all"):
-        kw = {"tokens": args.tokens[0]} if args.tokens else {}
-        results["kpool"] = bench_kpool(samples=args.samples, progress=progress, **kw)
-        print(format_kpool(results["kpool"]))
-    if args.what in ("moe", "all"):
-        from inductor_ext.bench_moe import bench_moe_act, format_moe_act
-
-        kw = {"tokens": args.tokens[0]} if args.tokens else {}
-        results["moe"] = bench_moe_act(samples=args.samples, progress=progress, **kw)
-        print(format_moe_act(results["moe"]))
-    if args.what in ("layer", "all"):
-        from inductor_ext.bench_layer import bench_layer, format_layer
-
-        kw = {"tokens": args.tokens[0]} if args.tokens else {}
-        results["layer"] = bench_layer(samples=min(args.samples, 20), progress=progress, **kw)
-        print(format_layer(results["layer"]))
+    results = run_benches(BENCHES if args.what == "all" else (args.what,), args.tokens, args.samples, progress,
+                          on_result=lambda name, r: print(format_benches({name: r})))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}/bench.json")

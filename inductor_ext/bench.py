@@ -15,9 +15,10 @@ import torch
 from inductor_ext import backends, timing
 from inductor_ext.ops import kda_chunk
 
-__all__ = ["bench_kda", "DEFAULT_TOKENS"]
+__all__ = ["bench_kda", "format_kda", "run_benches", "format_benches", "BENCHES", "DEFAULT_TOKENS"]
 
 DEFAULT_TOKENS = (129, 2048, 16384)
+BENCHES = ("kda", "kpool", "moe", "layer")  # what ``bench all`` (and ``report`` on CUDA) runs, in order
 
 
 def _inputs(T, H, K, V, device="cuda"):
@@ -98,3 +99,38 @@ def format_kda(result: dict) -> str:
         lines.append(f"| {r['tokens']} | {r['peer']} | {r['fwd_p50_us']:.1f} / {r['fwd_max_us']:.1f} | "
                      f"{r['fwd_bwd_p50_us']:.1f} / {r['fwd_bwd_max_us']:.1f} |")
     return "\n".join(lines)
+
+
+def run_benches(what=BENCHES, tokens=None, samples: int = 50, progress=None, on_result=None) -> dict:
+    """Run the named benchmarks (subset of :data:`BENCHES`, in that order) on CUDA; ``tokens``: the
+    KDA token counts (default :data:`DEFAULT_TOKENS`), its first entry also the token count of the
+    others (default: each benchmark's own). ``on_result(name, result)`` is called after each."""
+    from inductor_ext.bench_kpool import bench_kpool
+    from inductor_ext.bench_layer import bench_layer
+    from inductor_ext.bench_moe import bench_moe_act
+
+    kw = {"tokens": tokens[0]} if tokens else {}
+    run = {
+        "kda": lambda: bench_kda(tokens=tokens or DEFAULT_TOKENS, samples=samples, progress=progress),
+        "kpool": lambda: bench_kpool(samples=samples, progress=progress, **kw),
+        "moe": lambda: bench_moe_act(samples=samples, progress=progress, **kw),
+        "layer": lambda: bench_layer(samples=min(samples, 20), progress=progress, **kw),
+    }
+    results = {}
+    for name in BENCHES:
+        if name in what:
+            results[name] = run[name]()
+            if on_result:
+                on_result(name, results[name])
+    return results
+
+
+def format_benches(results: dict) -> str:
+    """The markdown tables of :func:`run_benches`' results, one section each."""
+    from inductor_ext.bench_kpool import format_kpool
+    from inductor_ext.bench_layer import format_layer
+    from inductor_ext.bench_moe import format_moe_act
+
+    fmt = {"kda": ("KDA op", format_kda), "kpool": ("KPool indexer, per stage", format_kpool),
+           "moe": ("MoE activation (SwiGLU + FP8 QDQ)", format_moe_act), "layer": ("Whole layers", format_layer)}
+    return "\n\n".join(f"### {fmt[n][0]}\n\n{fmt[n][1](r)}" for n, r in results.items())

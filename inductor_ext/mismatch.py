@@ -162,29 +162,35 @@ def calibrate(model, prompts: torch.Tensor, target_entropy: float, serve=None) -
 
 
 @torch.no_grad()
-def rollout(serve, prompts: torch.Tensor, new_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rollout(serve, prompts: torch.Tensor, new_tokens: int, seed: int,
+            progress=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``new_tokens`` tokens per prompt from ``serve`` (temperature 1, seeded generator):
     one prefill of the packed prompts, then one incremental decode step (one token per sequence,
     :class:`graphs.decode.ServingDecoder` with KDA-state / conv-window / MLA / indexer caches) per
     sampled token. On CPU its logits are bitwise the last-position logits of a full re-forward of the packed
     sequences (``tests/test_decode.py``), so the samples are those of a full re-forward rollout.
 
-    Returns ``(sequences int64 [n, prompt_len + new_tokens], serving log-probs FP32 [n, new_tokens, V])``:
-    the log-softmax each sampling step drew from."""
+    Returns ``(sequences int64 [n, prompt_len + new_tokens] on the prompts' device, serving log-probs
+    FP32 [n, new_tokens, V] on the CPU)``: the log-softmax each sampling step drew from, kept in host
+    memory (64 × 1024 tokens at the h200 vocabulary are 40 GB)."""
     from graphs.decode import ServingDecoder
 
     gen = torch.Generator().manual_seed(seed + 2)
-    seqs, logps = prompts.clone(), []
+    seqs, logps = prompts.clone(), None
     decoder = ServingDecoder(serve)
     logits, cache = decoder.prefill(prompts)
     for i in range(new_tokens):
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        tok = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(seqs.device)  # CPU generator: seeded alike
+        logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+        if logps is None:
+            logps = torch.empty(logp.shape[0], new_tokens, logp.shape[1], dtype=logp.dtype)
+        logps[:, i] = logp
+        tok = torch.multinomial(logp.exp(), 1, generator=gen).to(seqs.device)  # CPU generator: seeded alike
         seqs = torch.cat([seqs, tok], dim=1)
-        logps.append(logp)
         if i + 1 < new_tokens:
             logits, cache = decoder.step(tok[:, 0], cache)
-    return seqs, torch.stack(logps, dim=1)
+        if progress and (i + 1) % 128 == 0:
+            progress(f"sampled {i + 1} / {new_tokens} tokens")
+    return seqs, logps
 
 
 @torch.no_grad()
@@ -197,9 +203,10 @@ def score(logits_of, serve_logp: torch.Tensor, seqs: torch.Tensor, prompt_len: i
     rs, kls = [], []
     for i in range(seqs.shape[0]):
         logp_train = torch.log_softmax(logits_of(i)[prompt_len - 1: prompt_len - 1 + R].float(), dim=-1)
+        logp_serve = serve_logp[i].to(logp_train.device)
         y = seqs[i, prompt_len: prompt_len + R].unsqueeze(-1)
-        rs.append((logp_train.gather(-1, y) - serve_logp[i].gather(-1, y)).squeeze(-1).double())
-        kls.append((serve_logp[i].exp() * (serve_logp[i] - logp_train)).sum(-1))
+        rs.append((logp_train.gather(-1, y) - logp_serve.gather(-1, y)).squeeze(-1).double())
+        kls.append((logp_serve.exp() * (logp_serve - logp_train)).sum(-1))
     r, kl = torch.cat(rs), torch.cat(kls)
     k3 = torch.expm1(r) - r
     return {"k3": k3.mean().item(), "mean_abs_logratio": r.abs().mean().item(),
@@ -232,8 +239,8 @@ def run_mismatch(settings: MismatchSettings | None = None, arms: dict[str, Preci
     say(f"calibrating lm_head to {s.target_entropy} nats")
     scale, entropy = calibrate(model, prompts, s.target_entropy, serve)
     say(f"sampling {s.new_tokens} tokens x {s.num_seqs} sequences from the serving forward")
-    seqs, serve_logp = rollout(serve, prompts, s.new_tokens, s.seed)
-    resp_entropy = torch.cat([-(lp.exp() * lp).sum(-1) for lp in serve_logp]).mean().item()  # per sequence
+    seqs, serve_logp = rollout(serve, prompts, s.new_tokens, s.seed, progress=progress)
+    resp_entropy = torch.cat([-(lp.exp() * lp).sum(-1) for lp in (x.to(s.device) for x in serve_logp)]).mean().item()
     one_doc = torch.tensor([0, seqs.shape[1]], dtype=torch.int64, device=seqs.device)
     say("serving re-forward of the sampled sequences (the floor)")
     floor = score(lambda i: serve(seqs[i], one_doc), serve_logp, seqs, s.prompt_len)

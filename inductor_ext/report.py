@@ -1,5 +1,6 @@
-"""``python -m inductor_ext report``: KDA accuracy against FP64, compile behaviour and (on CUDA)
-CUDA-graph replay timing, as ``report.json``, ``report.md`` and ``report.png`` under ``--out``."""
+"""``python -m inductor_ext report``: KDA accuracy against FP64, compile behaviour of the op and of
+each GLM-5.3 layer kind, the mismatch table (CPU) and, on CUDA, the CUDA-graph replay timing of each
+op and whole layer (``bench all``), as ``report.json``, ``report.md`` and ``report.png`` under ``--out``."""
 
 from __future__ import annotations
 
@@ -66,14 +67,16 @@ def _grad_errors(lengths, heads, dim, device, prec) -> dict:
     return {f"d{n}": _rel(leaves[n].grad, ref[n].grad) for n in _ARGS} | {"grad_tokens": sum(lengths)}
 
 
-def kda_compile(device) -> list[dict]:
-    """Compile a KDA forward+backward step per backend and precision with ``fullgraph=True``:
-    compile time, frames, graph breaks and whether a repeated call recompiles."""
+def kda_compile(device, heads: int = 2, dim: int = 32) -> list[dict]:
+    """Compile a KDA forward+backward step (two packed documents, 37 + 28 tokens) per backend and
+    precision with ``fullgraph=True``: compile time, frames, graph breaks and whether a repeated
+    call recompiles. (On CUDA the report passes the accuracy table's heads and dim: fla autotunes
+    per head geometry, minutes per new one.)"""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
     inductor_ext.enable()
-    x, cu = _kda_inputs((37, 28), 2, 32, 32, torch.bfloat16, device)
+    x, cu = _kda_inputs((37, 28), heads, dim, dim, torch.bfloat16, device)
     leaves = [t.clone().requires_grad_(True) for t in x.values()]
 
     def step(*a):
@@ -169,10 +172,10 @@ def _markdown(report: dict) -> str:
         from inductor_ext.mismatch import format_table
 
         lines += ["", "## Fixed-token train/serve mismatch (tiny preset)", "", format_table(report["mismatch"])]
-    if report.get("kda_bench"):
-        from inductor_ext.bench import format_kda
+    if report.get("bench"):
+        from inductor_ext.bench import format_benches
 
-        lines += ["", "## KDA CUDA-graph replay timing", "", format_kda(report["kda_bench"])]
+        lines += ["", "## CUDA-graph replay timing (`bench all`)", "", format_benches(report["bench"])]
     return "\n".join(lines) + "\n"
 
 
@@ -198,34 +201,45 @@ def _chart(report: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _write(report: dict, out: pathlib.Path) -> None:
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(_markdown(report))
+
+
 def run_report(out: pathlib.Path, device: str, bench_tokens=None, progress=print) -> dict:
-    """Build the report on ``device`` and write ``report.json``, ``report.md``, ``report.png``."""
+    """Build the report on ``device`` and write ``report.json``, ``report.md`` (rewritten after each
+    section, so a run cut short keeps what finished) and ``report.png``. On CUDA: the ``h200``
+    geometry, and the ``bench all`` timing (``bench_tokens``: its token counts)."""
     out.mkdir(parents=True, exist_ok=True)
     cuda = device == "cuda"
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "version": inductor_ext.__version__}
+              "version": inductor_ext.__version__, "kda_accuracy": [], "kda_compile": [], "layers_compile": []}
     progress("KDA accuracy vs FP64")
     if cuda:
         report["kda_accuracy"] = kda_accuracy((1024, 1024), 64, 128, device, grad_lengths=(100, 92))
     else:
         report["kda_accuracy"] = kda_accuracy((70, 59), 4, 64, device)
+    _chart(report, out / "report.png")
+    _write(report, out)
     progress("KDA compile (aot_eager, inductor)")
-    report["kda_compile"] = kda_compile(device)
+    report["kda_compile"] = kda_compile(device, *((64, 128) if cuda else ()))
+    _write(report, out)
     # CPU: aot_eager keeps the report within a few minutes (inductor takes ~30-50 s per layer here)
     layer_backend = "inductor" if cuda else "aot_eager"
     progress(f"GLM-5.3 layer compile ({layer_backend})")
     report["layers_compile"] = layers_compile(device, layer_backend)
+    _write(report, out)
     if not cuda:  # the ablation's CPU table; its h200-geometry run is `python -m inductor_ext mismatch`
         from inductor_ext.mismatch import run_mismatch
 
         progress("train/serve mismatch ablation")
         report["mismatch"] = run_mismatch(progress=progress)
     if cuda:
-        from inductor_ext.bench import DEFAULT_TOKENS, bench_kda
+        from inductor_ext.bench import run_benches
 
-        progress("KDA CUDA-graph timing")
-        report["kda_bench"] = bench_kda(tokens=bench_tokens or DEFAULT_TOKENS, progress=progress)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(_markdown(report))
-    _chart(report, out / "report.png")
+        progress("CUDA-graph replay timing (bench all)")
+        report["bench"] = {}
+        run_benches(tokens=bench_tokens, progress=progress,
+                    on_result=lambda name, r: (report["bench"].update({name: r}), _write(report, out)))
+    _write(report, out)
     return report

@@ -45,6 +45,40 @@ def test_compare_counts_elements_tokens_and_close():
     assert bl._within(bl.compare(expected, expected), "kda")
 
 
+def test_nudge_ulp_moves_elements_by_at_most_one_ulp():
+    from lowerings._rounding import ulp_distance
+
+    x = torch.randn(64, 256).bfloat16()
+    x[0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("-inf")])
+    y = bl.nudge_ulp(x)
+    dist = ulp_distance(y, x)
+    assert int(dist.max()) == 1 and torch.equal(y[0, :4].view(torch.int16), x[0, :4].view(torch.int16))
+    assert 0.6 < dist.float().mean().item() < 0.73  # two thirds moved
+    assert torch.equal(bl.nudge_ulp(x), y)  # seeded
+    with pytest.raises(ValueError, match="bfloat16"):
+        bl.nudge_ulp(x.float())
+
+
+def test_sensitivity_criterion():
+    """Beyond the fixed bound, a difference within 2x the eager layer's own one-ulp sensitivity
+    still equals eager; 3x it does not."""
+    e = torch.randn(256, 64)
+    sens = bl.compare(e + 0.1 * torch.randn(256, 64), e)
+    near = bl.compare(e + 0.15 * torch.randn(256, 64, generator=torch.Generator().manual_seed(1)), e)
+    far = bl.compare(e + 0.3 * torch.randn(256, 64, generator=torch.Generator().manual_seed(2)), e)
+    assert not bl._within(near, "dsa") and not bl._within(far, "dsa")
+    assert bl._within_sensitivity(near, sens) and not bl._within_sensitivity(far, sens)
+    assert not bl._within_sensitivity(near, None)
+    row = {"eager_sensitivity": sens}
+    out = e + 0.15 * torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    bl._check(row, {"first": {"out": out, "ids": None}, "res_x": {"out": out, "ids": None}, "res_check": (out, None)},
+              {"out": e, "ids": None}, "fwd", "dsa", [])
+    assert row["equals_eager"] is True and row["equals_eager_by"] == "sensitivity"
+    bl._check(row, {"first": {"out": out, "ids": None}, "res_x": {"out": out, "ids": None},
+                    "res_check": (e + 0.3 * torch.randn(256, 64), None)}, {"out": e, "ids": None}, "fwd", "dsa", [])
+    assert row["equals_eager"] is False and row["equals_eager_by"] is None
+
+
 def _fake_result():
     base = {"capture": "reduce-overhead", "cudagraph_skips": 0, "graph_breaks": 0, "cold_compile_s": 61.2,
             "warm_compile_s": 4.3, "peak_step_gib": 20.5, "peak_first_gib": 31.0, "eager_peak_gib": 40.2,
@@ -87,7 +121,8 @@ def test_dry_run_tiny_aot_eager_both_kinds():
         assert r["error"] is None and r["capture"] == "none"
         assert r["graph_breaks"] == 0 and r["cudagraph_skips"] == 0
         assert r["graphs_compiled"] == {"cold": 1, "warm": 1}
-        assert r["equals_eager"] is True  # aot_eager runs the eager kernels: identical
+        assert r["equals_eager"] is True and r["equals_eager_by"] == "bound"  # aot_eager: the eager kernels
+        assert r["eager_sensitivity"]["rel_l2"] > 0  # the one-ulp nudge reaches the output
         assert r["samples"] == 2 and r["p50_us"] > 0
     bwd = result["rows"][1]["vs_eager"]
     assert bwd["dx"]["max_abs"] == 0.0 and bwd["dparams"]["used"] > 10

@@ -45,10 +45,12 @@ def test_rounding_helpers_match_dtype_casts_when_compiled():
         assert max_ulps(got, x.to(dtype).float(), f"round_to {dtype}") == 0
 
 
-def test_round_e4m3_matches_the_float8_cast():
-    """round_e4m3 (integer bits, fuses) equals ``v.to(float8_e4m3fn).float()`` bitwise, eager and
-    compiled, on every BF16 value in [-448, 448], random FP32 patterns scaled into that range,
-    exact ties (normal and subnormal), the subnormal/normal boundary, ±0 and NaN (NaN-equal)."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_round_e4m3_matches_the_float8_cast(device):
+    """round_e4m3 (CPU: integer bits; CUDA: glm53::round_to, inline PTX when compiled) equals
+    ``v.to(float8_e4m3fn).float()`` bitwise, eager and compiled, on every BF16 value in
+    [-448, 448], random FP32 patterns scaled into that range, exact ties (normal and subnormal),
+    the subnormal/normal boundary, ±0 and NaN (NaN-equal)."""
     b = all_bf16(1).flatten().float()
     b = b[(b.abs() <= 448) | b.isnan()]
     r = torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int32).view(torch.float32)
@@ -56,7 +58,7 @@ def test_round_e4m3_matches_the_float8_cast():
     r = torch.cat([r / r.abs().clamp_min(1e-30) * torch.rand_like(r) * 448, r * 2.0**-120])
     ties = torch.tensor([1 + 2.0**-4, 1 + 3 * 2.0**-4, 2.0**-10, 3 * 2.0**-10, 2.0**-6 - 2.0**-10,
                          2.0**-6 - 2.0**-11, 2.0**-6, 416.0 + 16, 448.0, 0.0, -0.0, float("nan")])
-    v = torch.cat([b, r, ties, -ties])
+    v = torch.cat([b, r, ties, -ties]).to(device)
     want = e4m3_cast(v)
     nan = v.isnan()  # NaN stays NaN; the payload (the cast keeps the sign) is not part of the contract
     for name, got in (("eager", round_e4m3(v)), ("compiled", compiled(round_e4m3, v))):
@@ -159,13 +161,22 @@ def test_mhc_measured_ulps():
 
 
 def test_round_to_rejects_what_it_cannot_round():
-    """glm53::round_to takes FP32 and rounds to BF16 or FP16 only, in the kernel and in the fake
-    (under Inductor only the fake and the lowering run)."""
+    """glm53::round_to takes FP32 and rounds to BF16, FP16 or e4m3 only, in the kernel and in the
+    fake (under Inductor only the fake and the lowering run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with pytest.raises(ValueError, match="round_to"):
-        torch.ops.glm53.round_to(torch.zeros(4), torch.float8_e4m3fn)
+        torch.ops.glm53.round_to(torch.zeros(4), torch.float8_e5m2)
     with pytest.raises(ValueError, match="round_to"):
         torch.ops.glm53.round_to(torch.zeros(4, dtype=torch.float64), BF16)
     with FakeTensorMode(), pytest.raises(ValueError, match="round_to"):
-        torch.ops.glm53.round_to(torch.empty(4), torch.float8_e4m3fn)
+        torch.ops.glm53.round_to(torch.empty(4), torch.float8_e5m2)
+
+
+def test_round_to_e4m3_compiled_on_cpu():
+    """The op's e4m3 rounding compiled on the CPU (the float8 conversion round trip) equals the
+    cast bitwise on every BF16 value in [-448, 448]."""
+    v = all_bf16(1).flatten().float()
+    v = v[v.abs() <= 448]
+    got = compiled(lambda v: torch.ops.glm53.round_to(v, torch.float8_e4m3fn), v)
+    assert torch.equal(got.view(torch.int32), e4m3_cast(v).view(torch.int32))
