@@ -244,6 +244,7 @@ def run_mismatch(settings: MismatchSettings | None = None, arms: dict[str, Preci
     one_doc = torch.tensor([0, seqs.shape[1]], dtype=torch.int64, device=seqs.device)
     say("serving re-forward of the sampled sequences (the floor)")
     floor = score(lambda i: serve(seqs[i], one_doc), serve_logp, seqs, s.prompt_len)
+    say(f"floor: k3 {floor['k3']:.4e}, mean |r| {floor['mean_abs_logratio']:.4e}")
     out_arms = {}
     for name, cfg in arms.items():
         say(f"teacher-forcing arm {name} ({s.compile})")
@@ -252,6 +253,8 @@ def run_mismatch(settings: MismatchSettings | None = None, arms: dict[str, Preci
         with torch.no_grad(), precision(cfg):
             metrics = score(lambda i: fwd(seqs[i], one_doc), serve_logp, seqs, s.prompt_len)
         out_arms[name] = {**metrics, "precision": _fields(cfg)}
+        say(f"arm {name}: k3 {metrics['k3']:.4e}, mean |r| {metrics['mean_abs_logratio']:.4e}, "
+            f"max token KL {metrics['max_token_kl']:.4e}, mean token KL {metrics['mean_token_kl']:.4e}")
     torch._dynamo.reset()
     if "reference" in out_arms:
         base = out_arms["reference"]["k3"]

@@ -322,13 +322,50 @@ def _check_rows(ids: torch.Tensor, cu: torch.Tensor, topk: int) -> None:
     assert torch.equal(valid.sum(1, keepdim=True), want), "wrong number of selected tokens"
 
 
+def _composite_logits(x, q_resid, weights, cu, kpool):
+    """The pool scores ``kpool_indexer`` selects from (its stages, one chunk), on x's device."""
+    from inductor_ext import ops
+
+    wq_b, wk, k_norm_w, k_norm_b, weights_proj, gate_w, ape = weights
+    T, H = x.shape[0], weights_proj.shape[0]
+    k, gate, w = ops.kpool_project(x, wk, k_norm_w, k_norm_b, weights_proj, gate_w, head_proj="fp32")
+    q = torch.nn.functional.linear(q_resid, wq_b).view(T, H, 128)
+    pool_token = ops.kpool_layout(cu, T, P)[0]
+    if kpool == "bf16":
+        pool, scale = ops.kpool_compress(k.bfloat16(), gate.bfloat16(), ape, pool_token, mode="bf16_fp32")
+        q = q.bfloat16()
+    else:
+        pool, scale = ops.kpool_compress(k, gate, ape, pool_token, mode="fp8_ue8m0")
+        q, w = ops.kpool_quant_query(q, w, scale_fmt="ue8m0")
+    return ops.kpool_logits(q, w, pool, scale, precision=kpool, layout="compact")
+
+
+def _near_tie_rows(got, want, logits, cu, topk, tol):
+    """Rows whose CUDA and CPU pool picks differ only by pools scored within ``tol`` of the row's
+    CPU threshold (the lowest CPU-selected score): what scores equal within 1e-6 may order
+    differently. Returns (differing rows, of which near ties)."""
+    T = got.shape[0]
+    _, q_lo, q_n, _, _ = ref.layout_reference(cu, T, P)
+    bos = cu[torch.searchsorted(cu, torch.arange(T), right=True) - 1]
+    differ = (got.sort(1).values != want.sort(1).values).any(1).nonzero().flatten().tolist()
+    ties = 0
+    for r in differ:
+        n = min(int(q_n[r]), topk // P)
+        slots = [set(((ids[r, : n * P: P].long() - bos[r]) // P + q_lo[r]).tolist()) for ids in (got, want)]
+        thr = logits[r, sorted(slots[1])].min()
+        ties += all(abs(logits[r, s] - thr) <= tol for s in slots[0] ^ slots[1])
+    return len(differ), ties
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kpool", ["bf16", "fp8"])
 def test_cuda_packed_end_to_end(kpool):
     """The issue's size: packed documents (8195, 8189), 32 heads, head dim 128, top-k 2048, the
     whole ``kpool_indexer`` on CUDA against the same call on the CPU (reference kernels): the
-    selection invariants hold and the token sets are equal except in rows where the two sides'
-    scores (equal within 1e-6) order a near-tie differently; those rows are counted and rare."""
+    selection invariants hold, and where the token sets differ every pool in the difference scores
+    (CPU) within 2e-6 · max|score| of the row's selection threshold: a near-tie that scores equal
+    within the 1e-6 contract may order either way (FP8 scores are coarse: exact ties are common,
+    and the kernel's FP16-MMA sums round them apart). Counted and printed."""
     from inductor_ext import ops
 
     hidden, q_rank, heads, topk = 512, 256, 32, 2048
@@ -346,10 +383,11 @@ def test_cuda_packed_end_to_end(kpool):
 
     got, want = run("cuda"), run("cpu")
     _check_rows(got, cu, topk)
-    differ = (got.sort(1).values != want.sort(1).values).any(1)
-    print(f"\n[kpool {kpool} packed (8195, 8189), H=32, top-k 2048] token sets differ in "
-          f"{int(differ.sum())} of {got.shape[0]} rows")
-    assert differ.float().mean().item() <= 1e-3
+    logits = _composite_logits(x, q_resid, weights, cu, kpool)
+    differ, ties = _near_tie_rows(got, want, logits, cu, topk, tol=2 * SCORE_TOL * logits.abs().max().item())
+    print(f"\n[kpool {kpool} packed (8195, 8189), H=32, top-k 2048] token sets differ in {differ} of "
+          f"{got.shape[0]} rows, {ties} of them near-ties")
+    assert ties == differ, f"{differ - ties} rows differ beyond a near-tie"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ so the test pins them: at 512 tokens the KPool
 indexer selects every visible pool (topk 2048 > the documents; its token-id sets must match
 exactly), and the MoE router's correction bias pins experts 0..7 for every token (a bias of 10
 outweighs any sigmoid score difference; the other 280 grouped-GEMM groups stay empty), so no pick
-can flip at a near-tie. ``bench layer`` measures the unpinned router at 8192 tokens.
+can flip at a near-tie. Parameter gradients: relative L2 within 2e-2, or within twice that of the
+eager layer's own one-ulp sensitivity for the same parameter. ``bench layer`` measures the unpinned router at 8192 tokens.
 
 Run on the H200: ``python -m pytest -m cuda tests/test_layers_cuda.py -s``.
 """
@@ -32,7 +33,7 @@ import inductor_ext
 from graphs import DecoderLayer, GLM53Config
 from graphs.modules import MoE, cast_model
 from inductor_ext import PrecisionConfig, backends
-from inductor_ext.bench_layer import RTOL, compare, equal_by, nudge_ulp
+from inductor_ext.bench_layer import RTOL, SENSITIVITY_FACTOR, compare, equal_by, nudge_ulp
 from lowerings._compat import cudagraph_trees_recorded, inductor_config, reset_cudagraph_trees
 
 pytestmark = pytest.mark.cuda
@@ -121,7 +122,6 @@ def test_reduce_overhead_replay_equals_eager(kind, variant):
                 want, nudged = layer(fresh, cu), layer(nudge_ulp(fresh), cu)
         else:
             want, nudged = grads(loss, fresh), grads(loss, nudge_ulp(fresh))
-            nudged = nudged[:2]  # only dx is compared with it
         counters.clear()  # eager FlexAttention runs through its own torch.compile(backend="eager")
         compiled = torch.compile(fwd if variant == "fwd" else loss, backend="inductor", mode="reduce-overhead",
                                  fullgraph=True)
@@ -146,14 +146,19 @@ def test_reduce_overhead_replay_equals_eager(kind, variant):
         return
     torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=0.0, msg=lambda m: f"{kind} loss: {m}")
     _assert_equal_to_eager("dx", got[1], want[1], nudged[1], kind)
-    worst = (0.0, "-")
-    for (name, _), g, w in zip(named, got[2:], want[2:]):
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+    worst = (0.0, "-", 0.0)  # (rel L2 vs eager, parameter, the eager one-ulp sensitivity of its gradient)
+    for (name, _), g, w, n in zip(named, got[2:], want[2:], nudged[2:]):
         assert (g is None) == (w is None), f"{name}: gradient None on one side only"
         if g is not None:
-            err = ((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)).item()
-            worst = max(worst, (err, name))
-    print(f"[{kind} fwd_bwd] worst parameter-gradient rel L2 {worst[0]:.3e} ({worst[1]})")
-    assert worst[0] <= PARAM_GRAD_REL_L2, f"{kind} parameter gradient {worst[1]}: rel L2 {worst[0]:.3e}"
+            err, sens = rel(g, w), rel(n, w)
+            assert err <= max(PARAM_GRAD_REL_L2, SENSITIVITY_FACTOR * sens), \
+                f"{kind} parameter gradient {name}: rel L2 {err:.3e} (eager's one-ulp sensitivity {sens:.3e})"
+            worst = max(worst, (err, name, sens))
+    print(f"[{kind} fwd_bwd] worst parameter-gradient rel L2 {worst[0]:.3e} ({worst[1]}; eager's one-ulp "
+          f"sensitivity {worst[2]:.3e})")
 
 
 def test_compiled_document_indexing_equals_eager():
