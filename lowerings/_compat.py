@@ -22,7 +22,6 @@ from torch._inductor.utils import run_and_get_code
 __all__ = [
     "CustomGraphPass",
     "cudagraph_trees_recorded",
-    "e4m3_inline_asm_available",
     "get_hash_for_files",
     "inductor_config",
     "inductor_decomposition",
@@ -52,32 +51,13 @@ def register_inductor_decomposition(op: torch._ops.OpOverload, fn: Callable) -> 
     _clear_merged_table()
 
 
-# FP32 -> e4m3 (round to nearest even; saturating, as every e4m3 conversion from FP32 must be) ->
-# FP16 (exact) -> FP32, one element per thread. Needs sm_89+ (the H200 is sm_90).
-_E4M3_ROUND_TRIP_PTX = (
-    "{ .reg .b16 e8; .reg .b32 h2; .reg .b16 lo, hi; "
-    "cvt.rn.satfinite.e4m3x2.f32 e8, $1, $1; cvt.rn.f16x2.e4m3x2 h2, e8; "
-    "mov.b32 {lo, hi}, h2; cvt.f32.f16 $0, lo; }"
-)
-
-
-def e4m3_inline_asm_available() -> bool:
-    """Whether Inductor's Triton code generator has ``inline_asm_elementwise`` (torch 2.11 and
-    2.13 do), which the CUDA lowering of ``round_to(x, float8_e4m3fn)`` emits."""
-    from torch._inductor.codegen.triton import TritonOverrides
-
-    return hasattr(TritonOverrides, "inline_asm_elementwise")
-
-
 def register_rounding_lowering(op: torch._ops.OpOverload) -> None:
     """Lower ``op(x: FP32, dtype) -> FP32`` (``glm53::round_to``) to a pointwise conversion to
     ``dtype`` and back, idempotent.
 
     ``ops.to_dtype(..., use_compute_types=False)`` is the store-type conversion (Triton
     ``x.to(tl.bfloat16)``, C++ ``c10::convert``): a real rounding. The default (compute types)
-    maps BF16 to FP32 and would make it a no-op. float8_e4m3fn on CUDA: the conversion as inline
-    PTX (``_E4M3_ROUND_TRIP_PTX``), because Inductor's Triton code generator ends a fused kernel
-    at a float8 ``to_dtype`` (torch 2.11: a two-pass kernel, the FP32 quotient written out).
+    maps BF16 to FP32 and would make it a no-op.
     """
     from torch._inductor.lowering import lowerings, make_pointwise, register_lowering
     from torch._inductor.virtualized import ops
@@ -90,12 +70,7 @@ def register_rounding_lowering(op: torch._ops.OpOverload) -> None:
             narrow = ops.to_dtype(v, dtype, src_dtype=torch.float32, use_compute_types=False)
             return ops.to_dtype(narrow, torch.float32)
 
-        def e4m3_ptx(v):
-            return ops.inline_asm_elementwise(v, asm=_E4M3_ROUND_TRIP_PTX, constraints="=r,r",
-                                              dtype=torch.float32, is_pure=True, pack=1)
-
-        ptx = dtype == torch.float8_e4m3fn and x.get_device().type == "cuda" and e4m3_inline_asm_available()
-        return make_pointwise(e4m3_ptx if ptx else round_trip, override_return_dtype=torch.float32)(x)
+        return make_pointwise(round_trip, override_return_dtype=torch.float32)(x)
 
     register_lowering(op, type_promotion_kind=None)(lower)
 

@@ -9,10 +9,9 @@ therefore *not* a rounding point. The contracts of ``shared/DESIGN.md`` §4 roun
 places, so the decompositions round to BF16 / FP16 through ``glm53::round_to``
 (``inductor_ext/ops/round_to.py``), lowered to the hardware conversion and back inside the fused
 kernel (two instructions; the integer-bit emulation used before cost ~9 per rounding and made the
-fused SwiGLU + FP8 QDQ kernel instruction-bound on the H200), and to e4m3 (:func:`round_e4m3`):
-on CUDA through the same op, whose lowering emits the PTX conversion inline (a float8
-``to_dtype`` turned the fused kernel from a one-pass persistent reduction into a two-pass one on
-the H200, 96 vs 78 µs), elsewhere with integer bit arithmetic (~12 operations).
+fused SwiGLU + FP8 QDQ kernel instruction-bound on the H200), and to e4m3 with integer bit
+arithmetic (:func:`round_e4m3`): lowered the same way, the float8 conversion turned the fused
+kernel from a one-pass persistent reduction into a two-pass one on the H200 (96 vs 78 µs).
 
 - :func:`exact` on every input: the FP32 value the reference kernel reads (``x.float()``), even
   where the producer's own BF16 rounding was fused away. An identity on a materialized tensor.
@@ -30,9 +29,8 @@ from __future__ import annotations
 import torch
 
 import inductor_ext.ops.round_to  # noqa: F401  (defines glm53::round_to)
-from lowerings._compat import e4m3_inline_asm_available
 
-__all__ = ["round_to", "round_e4m3", "round_e4m3_bits", "exact", "store", "ulp_distance"]
+__all__ = ["round_to", "round_e4m3", "exact", "store", "ulp_distance"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CANONICAL_NAN = 0x7FC00000
@@ -49,17 +47,9 @@ def round_to(xf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def round_e4m3(vf: torch.Tensor) -> torch.Tensor:
     """FP32 ``vf`` with |vf| <= 448 (or NaN) → the nearest float8_e4m3fn value (ties to even), as
-    FP32, NaN staying NaN. CUDA: ``glm53::round_to`` (inline PTX under Inductor); otherwise
-    :func:`round_e4m3_bits`."""
-    if vf.device.type == "cuda" and e4m3_inline_asm_available():
-        return torch.ops.glm53.round_to(vf, torch.float8_e4m3fn)
-    return round_e4m3_bits(vf)
-
-
-def round_e4m3_bits(vf: torch.Tensor) -> torch.Tensor:
-    """:func:`round_e4m3` from the bits. Normal range: round to nearest even on 20 dropped mantissa
-    bits (NaN made canonical first, so the addition cannot overflow); below 2⁻⁶ the e4m3 quantum is
-    the fixed 2⁻⁹ (``round`` is half-to-even)."""
+    FP32, from the bits. Normal range: round to nearest even on 20 dropped mantissa bits (NaN made
+    canonical first, so the addition cannot overflow); below 2⁻⁶ the e4m3 quantum is the fixed 2⁻⁹
+    (``round`` is half-to-even); NaN stays NaN."""
     bits = torch.where(torch.isnan(vf), _CANONICAL_NAN, vf.view(torch.int32))
     normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & _E4M3_MANTISSA).view(torch.float32)
     tiny = torch.round(vf * 2.0**9) * 2.0**-9

@@ -5,10 +5,10 @@ producer of x (a SwiGLU, a norm) and with the consumer of â (the cast into a GE
 of costing a full read and write of the activation. The decomposition *is* the reference kernel
 (:func:`~inductor_ext.ops.fp8_qdq.fp8_qdq_reference`) run on the exact FP32 value of x; the one
 BF16 rounding of â goes through :func:`lowerings._rounding.store`, and the e4m3 rounding through
-:func:`lowerings._rounding.round_e4m3` (CUDA: inline PTX conversion; CPU: integer bit arithmetic)
-instead of a float8 cast in the graph: with the cast, Inductor on the H200 (torch 2.11) split the
-op into a reduction kernel that wrote ``a / s`` in FP32 and a pointwise kernel that read it back,
-2.7x the time of a plain BF16 SwiGLU. Max is order-independent, the UE8M0 scale and its reciprocal come
+:func:`lowerings._rounding.round_e4m3` (integer bit arithmetic) instead of a float8 cast in the
+graph: with the cast, Inductor on the H200 (torch 2.11) split the op into a reduction kernel that
+wrote ``a / s`` in FP32 and a pointwise kernel that read it back, 2.7x the time of a plain BF16
+SwiGLU. Max is order-independent, the UE8M0 scale and its reciprocal come
 from integer bit operations (``a · (1/s)`` by a power of two is exact, as ``a / s`` is) and the
 e4m3 conversion rounds to nearest even on every backend, so the compiled result is bitwise the
 reference's for ``ue8m0`` (tested); ``fp32`` scales keep one IEEE division, also bitwise on the CPU.

@@ -2,12 +2,10 @@
 
 The rounding point of the Inductor decompositions (:mod:`lowerings._rounding`), not a precision
 path of its own: ``round_to(x, dtype) == x.to(dtype).float()`` (round to nearest even; NaN stays
-NaN) for ``dtype`` in bfloat16, float16 and float8_e4m3fn (for e4m3: ``|x| < 464`` or NaN, the
-values that round into its range; beyond it the cast gives NaN and the CUDA lowering saturates).
-Inductor fuses a plain ``x.to(bfloat16).float()`` into one FP32 value (it drops the round trip)
-and ends a fused Triton kernel at a float8 cast, so the decompositions call this op instead: its
-Inductor lowering (:func:`lowerings._compat.register_rounding_lowering`) emits the hardware
-conversion and back *inside* the fused kernel, where no pass removes it.
+NaN) for ``dtype`` in bfloat16 and float16. Inductor fuses a plain ``x.to(bfloat16).float()``
+into one FP32 value (it drops the round trip), so the decompositions call this op instead: its
+Inductor lowering (:func:`lowerings._compat.register_rounding_lowering`) emits the hardware conversion and back
+*inside* the fused kernel, where no pass removes it.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch
 
 __all__ = ["ROUNDING_DTYPES", "round_to_reference", "validate_round_to_inputs"]
 
-ROUNDING_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+ROUNDING_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def validate_round_to_inputs(x: torch.Tensor, dtype: torch.dtype) -> None:
@@ -33,6 +31,6 @@ def round_to_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.library.custom_op("glm53::round_to", mutates_args=(), device_types=("cpu", "cuda"))
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP32 ``x`` rounded to ``dtype`` (bfloat16, float16 or float8_e4m3fn), as FP32.
+    """FP32 ``x`` rounded to ``dtype`` (bfloat16 or float16), as FP32.
     Kernel: :func:`round_to_reference`."""
     return round_to_reference(x, dtype)
