@@ -230,18 +230,32 @@ def kda_recurrent_reference(q, k, v, g, beta, scale, initial_state, cu_seqlens, 
     docs = _documents(T, cu_seqlens)
     N = len(docs) if cu_seqlens is not None else B
     h0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(compute_dtype)
+    lengths = {eos - bos for bos, eos in docs}
+    if cu_seqlens is not None and len(lengths) == 1 and T > 0:
+        # documents of one length (a decode step, equal prompts): one recurrence batched over them
+        L = lengths.pop()
+        o, final = _recurrence(*(x.reshape(N, L, *x.shape[2:]) for x in (qn, kn, v, g, beta)), h0, scale)
+        return o.reshape(B, T, H, V).to(out_dtype), final
     outs, finals = [], []
     for n, (bos, eos) in enumerate(docs):
         S = h0[n:n + 1] if cu_seqlens is not None else h0
-        for t in range(bos, eos):
-            S = S * g[:, t, :, :, None].exp()
-            kt = kn[:, t]
-            delta = v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
-            S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * kt, delta)
-            outs.append(torch.einsum("bhk,bhkv->bhv", scale * qn[:, t], S))
+        o, S = _recurrence(qn[:, bos:eos], kn[:, bos:eos], v[:, bos:eos], g[:, bos:eos], beta[:, bos:eos], S, scale)
+        outs.append(o)
         finals.append(S)
-    o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, V)
-    return o.to(out_dtype), torch.cat(finals, 0)
+    return torch.cat(outs, 1).to(out_dtype), torch.cat(finals, 0)
+
+
+def _recurrence(qn, kn, v, g, beta, S, scale):
+    """The token loop over ``[b, L, H, *]`` from state ``S [b, H, K, V]`` → (o ``[b, L, H, V]``, S)."""
+    outs = []
+    for t in range(qn.shape[1]):
+        S = S * g[:, t, :, :, None].exp()
+        kt = kn[:, t]
+        delta = v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * kt, delta)
+        outs.append(torch.einsum("bhk,bhkv->bhv", scale * qn[:, t], S))
+    o = torch.stack(outs, 1) if outs else v.new_zeros(*v.shape[:2], v.shape[2], S.shape[-1])
+    return o, S
 
 
 def _kda_chunk_reference_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, do, dht):
