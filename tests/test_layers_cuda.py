@@ -20,7 +20,8 @@ indexer selects every visible pool (topk 2048 > the documents; its token-id sets
 exactly), and the MoE router's correction bias pins experts 0..7 for every token (a bias of 10
 outweighs any sigmoid score difference; the other 280 grouped-GEMM groups stay empty), so no pick
 can flip at a near-tie. Parameter gradients: relative L2 within 2e-2, or within twice that of the
-eager layer's own one-ulp sensitivity for the same parameter. ``bench layer`` measures the unpinned router at 8192 tokens.
+eager layer's own one-ulp sensitivity for the same parameter. ``bench layer`` measures the unpinned
+router at 8192 tokens.
 
 Run on the H200: ``python -m pytest -m cuda tests/test_layers_cuda.py -s``.
 """
@@ -39,7 +40,8 @@ from lowerings._compat import cudagraph_trees_recorded, inductor_config, reset_c
 pytestmark = pytest.mark.cuda
 TOKENS = 512
 PARAM_GRAD_REL_L2 = 2e-2
-CASES = [pytest.param(kind, variant, id=f"{kind}-{variant}") for kind in ("kda", "dsa") for variant in ("fwd", "fwd_bwd")]
+CASES = [pytest.param(kind, variant, id=f"{kind}-{variant}")
+         for kind in ("kda", "dsa") for variant in ("fwd", "fwd_bwd")]
 _LAYER: dict = {}
 
 

@@ -48,8 +48,9 @@ def test_rounding_helpers_match_dtype_casts_when_compiled():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_round_e4m3_matches_the_float8_cast(device):
     """round_e4m3 (integer bits, fuses) equals ``v.to(float8_e4m3fn).float()`` bitwise, eager and
-    compiled (C++ on the CPU, Triton on CUDA), on every BF16 value in [-448, 448], random FP32 patterns scaled into that range,
-    exact ties (normal and subnormal), the subnormal/normal boundary, ±0 and NaN (NaN-equal)."""
+    compiled (C++ on the CPU, Triton on CUDA), on every BF16 value in [-448, 448], random FP32
+    patterns scaled into that range, exact ties (normal and subnormal), the subnormal/normal
+    boundary, ±0 and NaN (NaN-equal)."""
     b = all_bf16(1).flatten().float()
     b = b[(b.abs() <= 448) | b.isnan()]
     r = torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int32).view(torch.float32)
