@@ -131,11 +131,12 @@ def _check_fp32(label, o, s, o_ref, s_ref):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("split", [False, True], ids=["fused-output", "split-output"])
 @pytest.mark.parametrize("case", CASES, ids=ids)
-def test_fp32_inputs_match_fp64_recurrence(case, dots):
+def test_fp32_inputs_match_fp64_recurrence(case, split, dots):
     inputs = make_inputs(case, torch.float32)
-    o, s = _run(inputs)
-    _check_fp32(f"{dots} {case.name}", o, s, *_reference(inputs))
+    o, s = _run(inputs, split_output=split)
+    _check_fp32(f"{dots} {case.name} split={split}", o, s, *_reference(inputs))
 
 
 @needs_interpreter
@@ -230,11 +231,14 @@ BOUNDS_CASES = [
     (Case("T130-K128-blocks64", (130,), heads=2, k_dim=128, v_dim=128), torch.float32, dict(block_k=64, block_v=64)),
     (CASES[2], torch.float32, dict(block_k=16, block_v=16)),  # packed, an empty document, V = 24
     (CASES[4], torch.float32, {}),  # packed, K = 96, V = 48, initial state
+    (CASES[4], torch.float32, dict(split_output=True)),
+    (CASES[2], torch.bfloat16, dict(block_k=16, block_v=16, split_output=True)),
 ]
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case,dtype,kw", BOUNDS_CASES, ids=[c.name for c, _, _ in BOUNDS_CASES])
+@pytest.mark.parametrize("case,dtype,kw", BOUNDS_CASES,
+                         ids=[c.name + ("-split" if kw.get("split_output") else "") for c, _, kw in BOUNDS_CASES])
 def test_every_access_stays_inside_its_tensor(case, dtype, kw, bounds_checked):
     inputs = make_inputs(case, dtype)
     inputs["g"] = inputs["g"].float()
@@ -260,13 +264,14 @@ H200_CASES = [
 
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRET, reason="the H200 geometry is for compiled kernels, not the interpreter")
+@pytest.mark.parametrize("split", [False, True], ids=["fused-output", "split-output"])
 @pytest.mark.parametrize("case", H200_CASES, ids=[c.name for c in H200_CASES])
-def test_cuda_h64_k128_fp32_and_bf16_inputs(case):
+def test_cuda_h64_k128_fp32_and_bf16_inputs(case, split):
     inputs = make_inputs(case, torch.float32, device="cuda")
-    o, s = _run(inputs)
-    _check_fp32(f"cuda {case.name}", o, s, *_reference(inputs))
+    o, s = _run(inputs, split_output=split)
+    _check_fp32(f"cuda {case.name} split={split}", o, s, *_reference(inputs))
     bf16 = {n: (x.to(torch.bfloat16) if n in ("q", "k", "v", "beta") else x) for n, x in inputs.items()}
-    o16, _ = _run(bf16)
+    o16, _ = _run(bf16, split_output=split)
     err = rel_l2(o16, round_bf16(_reference(bf16)[0]))
     print(f"[cuda bf16 io {case.name}] o={err:.2e}")
     assert err <= TOL["bf16_io"]["fp32"], f"o (bf16 inputs): {err:.3e}"

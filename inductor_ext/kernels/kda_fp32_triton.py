@@ -229,9 +229,9 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scal
 
 
 @triton.jit
-def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot,
+def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BVT: tl.constexpr, HAS_H0: tl.constexpr):
+                  BVT: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr):
     # the state [K, BVT] is held as one or two [≤64, BVT] register tiles (K rows 0-63, 64-127): each
     # dot's A operand (split into TF32 hi/lo in registers) is then at most [64, 64], which keeps
     # K = 128 free of register spills
@@ -270,14 +270,23 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot,
         wh = tl.dot(tl.load(p_w), ha, input_precision="tf32x3")
         if TWO:
             wh = tl.dot(tl.load(p_w + 64), hb, wh, input_precision="tf32x3")
-        vn = tl.load(U + slot * (64 * BV) + r[:, None] * BV + cv[None, :]) - wh
-        ov = tl.dot(tl.load(p_q), ha, input_precision="tf32x3")
-        if TWO:
-            ov = tl.dot(tl.load(p_q + 64), hb, ov, input_precision="tf32x3")
-        ov = tl.dot(tl.load(AQK + slot * 4096 + r[:, None] * 64 + c64[None, :]), vn, ov, input_precision="tf32x3")
-        tok = bos + it * 64 + r
-        m_o = (r < length - it * 64)[:, None] & (cv < V)[None, :]
-        tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
+        p_u = slot * (64 * BV) + r[:, None] * BV + cv[None, :]
+        vn = tl.load(U + p_u) - wh
+        if SPLIT:  # the state before this chunk and v_new, for _output_kernel
+            p_h = slot * (BK * BV) + ck[:, None] * BV + cv[None, :]
+            tl.store(HS + p_h, ha)
+            if TWO:
+                tl.store(HS + p_h + 64 * BV, hb)
+            tl.store(VN + p_u, vn)
+        else:
+            ov = tl.dot(tl.load(p_q), ha, input_precision="tf32x3")
+            if TWO:
+                ov = tl.dot(tl.load(p_q + 64), hb, ov, input_precision="tf32x3")
+            ov = tl.dot(tl.load(AQK + slot * 4096 + r[:, None] * 64 + c64[None, :]), vn, ov,
+                        input_precision="tf32x3")
+            tok = bos + it * 64 + r
+            m_o = (r < length - it * 64)[:, None] & (cv < V)[None, :]
+            tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
         ha = ha * tl.load(p_d)[:, None] + tl.dot(tl.load(p_k), vn, input_precision="tf32x3")
         if TWO:
             hb = hb * tl.load(p_d + 64)[:, None] + tl.dot(tl.load(p_k + 64 * 64), vn, input_precision="tf32x3")
@@ -285,6 +294,38 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot,
     tl.store(ht + off_a, ha, mask=m_a)
     if TWO:
         tl.store(ht + off_b, hb, mask=m_b)
+
+
+@triton.jit
+def _output_kernel(QG, AQK, HS, VN, o, chunk_map, cu,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   BVT: tl.constexpr):
+    # split_output: one program per (chunk slot, head, V-block), fully parallel:
+    # o = qg·h + Aqk·v_new from the state entering the chunk and v_new, both stored by the state pass
+    KS: tl.constexpr = BK if BK < 64 else 64
+    i_s = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    doc = tl.load(chunk_map + 2 * i_s)
+    if doc >= 0:
+        t = tl.load(chunk_map + 2 * i_s + 1)
+        bos = tl.load(cu + doc)
+        length = tl.load(cu + doc + 1) - bos
+        slot = i_s * H + i_h
+        r = tl.arange(0, 64)
+        ck = tl.arange(0, KS)
+        c64 = tl.arange(0, 64)
+        cv = i_v * BVT + tl.arange(0, BVT)
+        p_q = QG + slot * (64 * BK) + r[:, None] * BK + ck[None, :]
+        p_h = HS + slot * (BK * BV) + ck[:, None] * BV + cv[None, :]
+        ov = tl.dot(tl.load(p_q), tl.load(p_h), input_precision="tf32x3")
+        if BK > 64:
+            ov = tl.dot(tl.load(p_q + 64), tl.load(p_h + 64 * BV), ov, input_precision="tf32x3")
+        vn = tl.load(VN + slot * (64 * BV) + r[:, None] * BV + cv[None, :])
+        ov = tl.dot(tl.load(AQK + slot * 4096 + r[:, None] * 64 + c64[None, :]), vn, ov, input_precision="tf32x3")
+        tok = bos + t * 64 + r
+        m_o = (r < length - t * 64)[:, None] & (cv < V)[None, :]
+        tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,7 +381,7 @@ def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
-                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4)):
+                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4), split_output: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16, g ``[B,T,H,K]`` FP32, beta ``[B,T,H]``,
@@ -350,6 +391,9 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     columns per state-pass program) and ``warps`` (chunk kernel, state kernel). On the H200 (triton
     3.6) 8 warps in the chunk kernel fault with an illegal memory access at T=2048, H=64 (two
     warpgroups on M=64 tf32x3 dots, n8 wgmma); 4 warps run (see ``notes/kda-fp32-kernels.md``).
+    ``split_output``: the state pass only carries the state (two dots per chunk on its sequential
+    path instead of four) and stores each chunk's entering state and v_new (FP32, 1.6 GB at
+    T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
@@ -383,10 +427,15 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
         _chunk_kernel[(n_slots, H)](
             q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, float(scale),
             H=H, K=K, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0])
+    HS = torch.empty(max(n_slots, 1), H, BK, BV, **f32) if split_output else final
+    VN = torch.empty_like(U) if split_output else final
     if N > 0 and H > 0:
         h0 = initial_state.contiguous() if initial_state is not None else final
         _state_kernel[(BV // BVT, H, N)](
-            QG, KGT, W, U, AQK, DEC, o, h0, final, cu, first_slot,
-            H=H, K=K, V=V, BK=BK, BV=BV, BVT=BVT, HAS_H0=initial_state is not None,
+            QG, KGT, W, U, AQK, DEC, o, h0, final, cu, first_slot, HS, VN,
+            H=H, K=K, V=V, BK=BK, BV=BV, BVT=BVT, HAS_H0=initial_state is not None, SPLIT=split_output,
             num_warps=warps[1])
+    if split_output and n_slots > 0 and H > 0:
+        _output_kernel[(n_slots, H, BV // BVT)](
+            QG, AQK, HS, VN, o, chunk_map, cu, H=H, K=K, V=V, BK=BK, BV=BV, BVT=BVT, num_warps=warps[1])
     return o, final
