@@ -85,10 +85,6 @@ class _Buffer:
         self.data[:, self.length] = rows
         self.length += 1
 
-    def append_many(self, rows: torch.Tensor) -> None:
-        for j in range(rows.shape[1]):
-            self.append(rows[:, j])
-
     def view(self) -> torch.Tensor:
         return self.data[:, : self.length]
 

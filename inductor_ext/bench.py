@@ -109,6 +109,9 @@ def run_benches(what=BENCHES, tokens=None, samples: int = 50, progress=None, on_
     from inductor_ext.bench_layer import bench_layer
     from inductor_ext.bench_moe import bench_moe_act
 
+    unknown = [name for name in what if name not in BENCHES]
+    if unknown:
+        raise ValueError(f"run_benches: unknown benchmark(s) {unknown}; choose from {BENCHES}")
     kw = {"tokens": tokens[0]} if tokens else {}
     run = {
         "kda": lambda: bench_kda(tokens=tokens or DEFAULT_TOKENS, samples=samples, progress=progress),

@@ -132,9 +132,12 @@ def _packed(seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return seqs.reshape(-1), torch.arange(n + 1, dtype=torch.int64, device=seqs.device) * length
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def _entropy_of_logp(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    return _entropy_of_logp(torch.log_softmax(logits.float(), dim=-1))
 
 
 @torch.no_grad()
@@ -242,7 +245,7 @@ def run_mismatch(settings: MismatchSettings | None = None, arms: dict[str, Preci
     scale, entropy = calibrate(model, prompts, s.target_entropy, serve)
     say(f"sampling {s.new_tokens} tokens x {s.num_seqs} sequences from the serving forward")
     seqs, serve_logp = rollout(serve, prompts, s.new_tokens, s.seed, progress=progress)
-    resp_entropy = torch.cat([-(lp.exp() * lp).sum(-1) for lp in (x.to(s.device) for x in serve_logp)]).mean().item()
+    resp_entropy = torch.cat([_entropy_of_logp(lp.to(s.device)) for lp in serve_logp]).mean().item()
     one_doc = torch.tensor([0, seqs.shape[1]], dtype=torch.int64, device=seqs.device)
     say("serving re-forward of the sampled sequences (the floor)")
     floor = score(lambda i: serve(seqs[i], one_doc), serve_logp, seqs, s.prompt_len)

@@ -30,6 +30,13 @@ def test_bad_flag_exits_2():
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
+def test_run_benches_rejects_unknown_names():
+    from inductor_ext.bench import run_benches
+
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        run_benches(("kda", "attention"))
+
+
 def test_report_writes_json_markdown_png(tmp_path):
     assert main(["report", "--device", "cpu", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())

@@ -279,14 +279,7 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
                 tl.store(HS + p_h + 64 * BV, hb)
             tl.store(VN + p_u, vn)
         else:
-            ov = tl.dot(tl.load(p_q), ha, input_precision="tf32x3")
-            if TWO:
-                ov = tl.dot(tl.load(p_q + 64), hb, ov, input_precision="tf32x3")
-            ov = tl.dot(tl.load(AQK + slot * 4096 + r[:, None] * 64 + c64[None, :]), vn, ov,
-                        input_precision="tf32x3")
-            tok = bos + it * 64 + r
-            m_o = (r < length - it * 64)[:, None] & (cv < V)[None, :]
-            tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
+            _store_output(p_q, ha, hb, AQK + slot * 4096, vn, o, bos, length, it, i_h, r, cv, H, V, TWO)
         ha = ha * tl.load(p_d)[:, None] + tl.dot(tl.load(p_k), vn, input_precision="tf32x3")
         if TWO:
             hb = hb * tl.load(p_d + 64)[:, None] + tl.dot(tl.load(p_k + 64 * 64), vn, input_precision="tf32x3")
@@ -294,6 +287,21 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
     tl.store(ht + off_a, ha, mask=m_a)
     if TWO:
         tl.store(ht + off_b, hb, mask=m_b)
+
+
+@triton.jit
+def _store_output(p_q, ha, hb, aqk, vn, o, bos, length, t, i_h, r, cv, H: tl.constexpr, V: tl.constexpr,
+                  TWO: tl.constexpr):
+    # chunk t's output rows o = qg·h + Aqk·v_new (h: the state entering the chunk, as one or two
+    # 64-row tiles ha, hb), stored in o's dtype; rows past the document's end are masked
+    ov = tl.dot(tl.load(p_q), ha, input_precision="tf32x3")
+    if TWO:
+        ov = tl.dot(tl.load(p_q + 64), hb, ov, input_precision="tf32x3")
+    c64 = tl.arange(0, 64)
+    ov = tl.dot(tl.load(aqk + r[:, None] * 64 + c64[None, :]), vn, ov, input_precision="tf32x3")
+    tok = bos + t * 64 + r
+    m_o = (r < length - t * 64)[:, None] & (cv < V)[None, :]
+    tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
 
 
 @triton.jit
@@ -314,18 +322,13 @@ def _output_kernel(QG, AQK, HS, VN, o, chunk_map, cu,
         slot = i_s * H + i_h
         r = tl.arange(0, 64)
         ck = tl.arange(0, KS)
-        c64 = tl.arange(0, 64)
         cv = i_v * BVT + tl.arange(0, BVT)
         p_q = QG + slot * (64 * BK) + r[:, None] * BK + ck[None, :]
         p_h = HS + slot * (BK * BV) + ck[:, None] * BV + cv[None, :]
-        ov = tl.dot(tl.load(p_q), tl.load(p_h), input_precision="tf32x3")
-        if BK > 64:
-            ov = tl.dot(tl.load(p_q + 64), tl.load(p_h + 64 * BV), ov, input_precision="tf32x3")
+        ha = tl.load(p_h)
+        hb = tl.load(p_h + 64 * BV) if BK > 64 else ha  # (unused unless BK > 64)
         vn = tl.load(VN + slot * (64 * BV) + r[:, None] * BV + cv[None, :])
-        ov = tl.dot(tl.load(AQK + slot * 4096 + r[:, None] * 64 + c64[None, :]), vn, ov, input_precision="tf32x3")
-        tok = bos + t * 64 + r
-        m_o = (r < length - t * 64)[:, None] & (cv < V)[None, :]
-        tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
+        _store_output(p_q, ha, hb, AQK + slot * 4096, vn, o, bos, length, t, i_h, r, cv, H, V, BK > 64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -254,7 +254,7 @@ def _recurrence(qn, kn, v, g, beta, S, scale):
         delta = v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, S)
         S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * kt, delta)
         outs.append(torch.einsum("bhk,bhkv->bhv", scale * qn[:, t], S))
-    o = torch.stack(outs, 1) if outs else v.new_zeros(*v.shape[:2], v.shape[2], S.shape[-1])
+    o = torch.stack(outs, 1) if outs else v.new_zeros(v.shape)  # L = 0
     return o, S
 
 
