@@ -30,12 +30,16 @@ def decompositions() -> dict:
 
 
 def register_all() -> None:
-    """Register every decomposition in Inductor's table, and the lowering of their rounding
-    point ``glm53::round_to``; idempotent."""
+    """Register every decomposition in Inductor's table and the lowering of their rounding point
+    ``glm53::round_to``, and keep reductions of one FP8 QDQ group (128 elements) persistent
+    (:func:`lowerings._compat.install_persistent_reductions`); idempotent."""
     import torch
 
-    from lowerings._compat import register_inductor_decomposition, register_rounding_lowering
+    from inductor_ext.ops.fp8_qdq import GROUP
+    from lowerings._compat import (install_persistent_reductions, register_inductor_decomposition,
+                                   register_rounding_lowering)
 
     register_rounding_lowering(torch.ops.glm53.round_to.default)
     for op, fn in decompositions().items():
         register_inductor_decomposition(op, fn)
+    install_persistent_reductions(GROUP)

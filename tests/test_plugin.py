@@ -64,3 +64,34 @@ def test_import_needs_only_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_enable_keeps_one_qdq_group_reduction_persistent(monkeypatch):
+    import sympy
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    from lowerings import _compat
+
+    inductor_ext.enable()
+    assert type(V.choices).MAX_NUMEL == 128 and V.choices.uuid() == "glm53-persistent-reductions-128"
+    if hasattr(inductor_config, "inductor_choices_class"):
+        assert inductor_config.inductor_choices_class is type(V.choices)
+    # Inductor's own test says no (as for the DEFAULT hint above 64 elements): ours overrides it up to 128
+    monkeypatch.setattr(InductorChoices, "should_use_persistent_reduction", staticmethod(lambda f, c: False))
+
+    class Features:
+        def __init__(self, numel):
+            self.reduction_numel = numel
+
+    decide = V.choices.should_use_persistent_reduction
+    assert decide(Features(sympy.Integer(128)), False) and decide(Features(64), False)
+    assert not decide(Features(sympy.Integer(129)), False)
+    assert not decide(Features(sympy.Symbol("s0", positive=True)), False)  # dynamic: Inductor decides
+    monkeypatch.setattr(inductor_config.triton, "persistent_reductions", False)
+    assert not decide(Features(128), False)
+    # someone else's choices class is left alone
+    if hasattr(inductor_config, "inductor_choices_class"):
+        monkeypatch.setattr(inductor_config, "inductor_choices_class", InductorChoices)
+        assert not _compat.install_persistent_reductions(128)
+        assert inductor_config.inductor_choices_class is InductorChoices
