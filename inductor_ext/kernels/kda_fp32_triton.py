@@ -20,19 +20,20 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
    path (CUDA cores, every exponent ≤ 0) for that K-slice. The cumulative gate is scanned in FP64
    and every exponent is a difference of two of its rows rounded once to FP32, so a steep gate early
    in a chunk does not cost the later tokens ulp(|gc|) of absolute exponent error.
-   A⁻¹: block forward elimination over the four 16-row blocks; each 16×16 diagonal block (strictly
-   lower N, nilpotent) is inverted as the product (I − N)(I + N²)(I + N⁴)(I + N⁸) of six small dots.
+   A⁻¹: the four 16×16 diagonal blocks are inverted together by a 15-step row sweep ([4,16,16]
+   tiles, FP32 elementwise), then block forward elimination builds the four 16-row blocks of A⁻¹
+   with small dots.
 2. ``_state_kernel``, one program per (V-block, head, document), sequential over the document's
    chunks with the state ``[K, BV]`` in registers (as 64-row tiles, so no dot operand exceeds
    [64, 64]): ``v_new = u - w·h``, ``o = qg·h + Aqk·v_new`` (stored in v's dtype),
    ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global memory.
 
 Dot precisions: every dot uses ``input_precision="tf32x3"`` (hi/lo split, three TF32 MMAs,
-FP32-grade products at tensor-core speed), the triangular solve's too. On the H200 (T=16384, H=64,
-K=V=128) the solve as a 15-step elementwise row sweep over [4,16,16] tiles plus IEEE elimination
-dots was the largest cost of ``_chunk_kernel`` (9.3 ms with it, 4.1 ms with A⁻¹ replaced by I);
-the IEEE → tf32x3 elimination alone gave 8.5 ms at unchanged test accuracy
-(``notes/kda-fp32-kernels.md``).
+FP32-grade products at tensor-core speed); the 16×16 diagonal sweep is elementwise FP32. H200,
+T=16384, H=64, K=V=128 (``notes/kda-fp32-kernels.md``): the triangular solve is the largest cost of
+``_chunk_kernel`` (9.3 ms as a whole, 4.1 ms with A⁻¹ replaced by I); tf32x3 instead of IEEE
+elimination dots gave 8.5 ms at unchanged test accuracy; the diagonal blocks as six-dot products
+(I − N)(I + N²)(I + N⁴)(I + N⁸) instead of the sweep gave 9.4 ms (reverted).
 """
 
 from __future__ import annotations
@@ -108,26 +109,10 @@ def _finish_block(acc_q, acc_k, b, r, aqk_ptr, scale, J: tl.constexpr):
 
 
 @triton.jit
-def _diag_inverse(lJ, J: tl.constexpr):
-    """(I + N)⁻¹ of the diagonal 16×16 block N of column block J (its rows 16J..16J+15). N is
-    strictly lower, so N¹⁶ = 0 and (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸): six dots."""
-    sel = (tl.arange(0, 4) == J)[:, None, None]
-    N = tl.sum(tl.where(sel, tl.reshape(lJ, [4, 16, 16]), 0.0), 0)  # exact: adds three zeros
-    a16 = tl.arange(0, 16)
-    eye = tl.where(a16[:, None] == a16[None, :], 1.0, 0.0)
-    N2 = tl.dot(N, N, input_precision="tf32x3")
-    N4 = tl.dot(N2, N2, input_precision="tf32x3")
-    N8 = tl.dot(N4, N4, input_precision="tf32x3")
-    Z = tl.dot(eye - N, eye + N2, input_precision="tf32x3")
-    Z = tl.dot(Z, eye + N4, input_precision="tf32x3")
-    return tl.dot(Z, eye + N8, input_precision="tf32x3")
-
-
-@triton.jit
-def _elim_step(lJ, M, r, J: tl.constexpr, LAST: tl.constexpr):
+def _elim_step(Z, M, lJ, r, J: tl.constexpr, LAST: tl.constexpr):
     """Block J of the forward elimination: P_J = D_J⁻¹ M_J (rows 16J.. of A⁻¹); rows below lose
-    L[:, J] · P_J. M: the eliminated identity [64,64]."""
-    ZJ = _diag_inverse(lJ, J)
+    L[:, J] · P_J. Z: the stacked diagonal inverses [4,16,16]; M: the eliminated identity [64,64]."""
+    ZJ = tl.sum(tl.where((tl.arange(0, 4) == J)[:, None, None], Z, 0.0), 0)  # [16,16]
     EJ = tl.reshape(tl.where((tl.arange(0, 4) == J)[None, :, None], ZJ[:, None, :], 0.0), [16, 64])
     P = tl.dot(EJ, M, input_precision="tf32x3")  # [16,64]
     if not LAST:
@@ -138,12 +123,22 @@ def _elim_step(lJ, M, r, J: tl.constexpr, LAST: tl.constexpr):
 @triton.jit
 def _inverse(l0, l1, l2, l3, r):
     """(I + L)⁻¹ for the strictly lower L given as four [64,16] column blocks."""
+    blk = (r // 16)[:, None]
+    lst = tl.where(blk == 0, l0, 0.0) + tl.where(blk == 1, l1, 0.0)
+    lst = lst + tl.where(blk == 2, l2, 0.0) + tl.where(blk == 3, l3, 0.0)
+    Ld = tl.reshape(lst, [4, 16, 16])  # the four diagonal 16×16 blocks of L
+    ra = tl.arange(0, 16)[None, :, None]
+    cb = tl.arange(0, 16)[None, None, :]
+    Z = tl.where(ra == cb, 1.0, 0.0) + tl.zeros([4, 16, 16], dtype=tl.float32)
+    for s in tl.static_range(1, 16):  # row s of every diagonal inverse, from rows < s
+        lrow = tl.sum(tl.where(ra == s, Ld, 0.0), 1)  # [4,16]: L[16J+s, 16J+b]
+        Z = tl.where(ra == s, Z - tl.sum(lrow[:, :, None] * Z, 1)[:, None, :], Z)
     c64 = tl.arange(0, 64)
     M = tl.where(r[:, None] == c64[None, :], 1.0, 0.0)
-    P0, M = _elim_step(l0, M, r, 0, False)
-    P1, M = _elim_step(l1, M, r, 1, False)
-    P2, M = _elim_step(l2, M, r, 2, False)
-    P3, M = _elim_step(l3, M, r, 3, True)
+    P0, M = _elim_step(Z, M, l0, r, 0, False)
+    P1, M = _elim_step(Z, M, l1, r, 1, False)
+    P2, M = _elim_step(Z, M, l2, r, 2, False)
+    P3, M = _elim_step(Z, M, l3, r, 3, True)
     rb = tl.arange(0, 4)[:, None, None]
     A = tl.where(rb == 0, P0[None, :, :], 0.0) + tl.where(rb == 1, P1[None, :, :], 0.0)
     A = A + tl.where(rb == 2, P2[None, :, :], 0.0) + tl.where(rb == 3, P3[None, :, :], 0.0)
