@@ -8,7 +8,10 @@ BF16 rounding of â goes through :func:`lowerings._rounding.store`, and the e4m3
 :func:`lowerings._rounding.round_e4m3` (integer bit arithmetic) instead of a float8 cast in the
 graph: with the cast, Inductor on the H200 (torch 2.11) split the op into a reduction kernel that
 wrote ``a / s`` in FP32 and a pointwise kernel that read it back, 2.7x the time of a plain BF16
-SwiGLU. Max is order-independent, the UE8M0 scale and its reciprocal come
+SwiGLU. The amax over a group of 128 is kept a one-pass persistent reduction by
+``enable()`` (:func:`lowerings._compat.install_persistent_reductions`): over the gate | up halves
+of a projection output Inductor would otherwise loop it and recompute the SwiGLU in a second pass.
+Max is order-independent, the UE8M0 scale and its reciprocal come
 from integer bit operations (``a · (1/s)`` by a power of two is exact, as ``a / s`` is) and the
 e4m3 conversion rounds to nearest even on every backend, so the compiled result is bitwise the
 reference's for ``ue8m0`` (tested); ``fp32`` scales keep one IEEE division, also bitwise on the CPU.
