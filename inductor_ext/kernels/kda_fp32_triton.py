@@ -29,11 +29,10 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
    ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global memory.
 
 Dot precisions: every dot uses ``input_precision="tf32x3"`` (hi/lo split, three TF32 MMAs,
-FP32-grade products at tensor-core speed); the 16×16 diagonal sweep is elementwise FP32. H200,
-T=16384, H=64, K=V=128 (``notes/kda-fp32-kernels.md``): the triangular solve is the largest cost of
-``_chunk_kernel`` (9.3 ms as a whole, 4.1 ms with A⁻¹ replaced by I); tf32x3 instead of IEEE
-elimination dots gave 8.5 ms at unchanged test accuracy; the diagonal blocks as six-dot products
-(I − N)(I + N²)(I + N⁴)(I + N⁸) instead of the sweep gave 9.4 ms (reverted).
+FP32-grade products at tensor-core speed); the 16×16 diagonal sweep is elementwise FP32. On the
+H200 (T=16384, H=64, K=V=128) tf32x3 instead of IEEE elimination dots took ``_chunk_kernel`` from
+9.3 to 8.5 ms at unchanged test accuracy; two other forms of the solve measured slower and were
+reverted (``notes/kda-fp32-kernels.md``, session 5).
 """
 
 from __future__ import annotations
@@ -122,14 +121,13 @@ def _elim_step(Z, M, lJ, r, J: tl.constexpr, LAST: tl.constexpr):
 
 @triton.jit
 def _inverse(l0, l1, l2, l3, r):
-    """(I + L)⁻¹ for the strictly lower L given as four [64,16] column blocks, as its four 16-row
-    blocks P0..P3 ([16,64] each; assembling them into one [64,64] tile cost more than it saved)."""
-    ra = tl.arange(0, 16)[None, :, None]
-    cb = tl.arange(0, 16)[None, None, :]
+    """(I + L)⁻¹ for the strictly lower L given as four [64,16] column blocks."""
     blk = (r // 16)[:, None]
     lst = tl.where(blk == 0, l0, 0.0) + tl.where(blk == 1, l1, 0.0)
     lst = lst + tl.where(blk == 2, l2, 0.0) + tl.where(blk == 3, l3, 0.0)
     Ld = tl.reshape(lst, [4, 16, 16])  # the four diagonal 16×16 blocks of L
+    ra = tl.arange(0, 16)[None, :, None]
+    cb = tl.arange(0, 16)[None, None, :]
     Z = tl.where(ra == cb, 1.0, 0.0) + tl.zeros([4, 16, 16], dtype=tl.float32)
     for s in tl.static_range(1, 16):  # row s of every diagonal inverse, from rows < s
         lrow = tl.sum(tl.where(ra == s, Ld, 0.0), 1)  # [4,16]: L[16J+s, 16J+b]
@@ -140,18 +138,10 @@ def _inverse(l0, l1, l2, l3, r):
     P1, M = _elim_step(Z, M, l1, r, 1, False)
     P2, M = _elim_step(Z, M, l2, r, 2, False)
     P3, M = _elim_step(Z, M, l3, r, 3, True)
-    return P0, P1, P2, P3
-
-
-@triton.jit
-def _store_solved(P0, P1, P2, P3, rhs, ptr, row_stride: tl.constexpr, c):
-    """Store A⁻¹·rhs ([64, len(c)]) at ``ptr + row·row_stride + c``, block J of rows as P_J·rhs."""
-    a16 = tl.arange(0, 16)
-    rows_off = a16[:, None] * row_stride + c[None, :]
-    tl.store(ptr + rows_off, tl.dot(P0, rhs, input_precision="tf32x3"))
-    tl.store(ptr + 16 * row_stride + rows_off, tl.dot(P1, rhs, input_precision="tf32x3"))
-    tl.store(ptr + 32 * row_stride + rows_off, tl.dot(P2, rhs, input_precision="tf32x3"))
-    tl.store(ptr + 48 * row_stride + rows_off, tl.dot(P3, rhs, input_precision="tf32x3"))
+    rb = tl.arange(0, 4)[:, None, None]
+    A = tl.where(rb == 0, P0[None, :, :], 0.0) + tl.where(rb == 1, P1[None, :, :], 0.0)
+    A = A + tl.where(rb == 2, P2[None, :, :], 0.0) + tl.where(rb == 3, P3[None, :, :], 0.0)
+    return tl.reshape(A, [64, 64])
 
 
 @triton.jit
@@ -217,19 +207,20 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scal
     l1 = _finish_block(aq1, ak1, b, r, aqk_ptr, scale, 1)
     l2 = _finish_block(aq2, ak2, b, r, aqk_ptr, scale, 2)
     l3 = _finish_block(aq3, ak3, b, r, aqk_ptr, scale, 3)
-    P0, P1, P2, P3 = _inverse(l0, l1, l2, l3, r)
+    ainv = _inverse(l0, l1, l2, l3, r)
 
     # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
     tl.debug_barrier()  # pass 1's W stores come from other threads of this program
     for kb in range(BK // BKB):
         c = kb * BKB + tl.arange(0, BKB)
         t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
-        _store_solved(P0, P1, P2, P3, tl.load(W + t_off), W + slot * (64 * BK), BK, c)
+        tl.store(W + t_off, tl.dot(ainv, tl.load(W + t_off), input_precision="tf32x3"))
     for vb in range(BV // BVB):
         c = vb * BVB + tl.arange(0, BVB)
         m = rows[:, None] & (c < V)[None, :]
         vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + c[None, :], mask=m, other=0.0).to(tl.float32)
-        _store_solved(P0, P1, P2, P3, vx * b[:, None], U + slot * (64 * BV), BV, c)
+        tl.store(U + slot * (64 * BV) + r[:, None] * BV + c[None, :],
+                 tl.dot(ainv, vx * b[:, None], input_precision="tf32x3"))
 
 
 # ---------------------------------------------------------------------------------------------
