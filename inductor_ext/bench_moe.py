@@ -40,6 +40,7 @@ __all__ = ["bench_moe_act", "format_moe_act"]
 
 LIMIT = 10.0
 GROUP = 128
+TARGET_TOKENS = 8192  # issue 5's targets are stated at the h200 MoE shape; smaller runs are launch-bound
 BF16 = 2  # bytes per BF16 element
 
 
@@ -144,7 +145,8 @@ def bench_moe_act(tokens=8192, hidden=4096, inter=2048, samples=50, progress=Non
         "tokens": tokens, "hidden": hidden, "inter": inter, "samples": samples, "limit": LIMIT,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "lmdeploy_peer": lmd is not None, "copy_gbps": copy_gbps, "rows": rows,
-        "targets": {"fused_vs_plain": fused["vs_plain"], "fused_vs_plain_ok": fused["vs_plain"] <= 1.1,
+        "targets": {"judged": tokens == TARGET_TOKENS,
+                    "fused_vs_plain": fused["vs_plain"], "fused_vs_plain_ok": fused["vs_plain"] <= 1.1,
                     "fused_pct_copy": fused["pct_copy"], "fused_pct_copy_ok": fused["pct_copy"] >= 80.0},
         "bytes_note": "bytes counted at kernel boundaries, each tensor once: SwiGLU reads gate+up bf16 and writes "
                       "the bf16 output; unfused adds the intermediate's write+read; copy reads+writes gate_up; "
@@ -165,10 +167,15 @@ def format_moe_act(result: dict) -> str:
         lines.append(f"| {r['name']} | {r['what']} | {kernels} | {r['bytes'] / 1e6:.1f} | "
                      f"{r['p50_us']:.1f} / {r['max_us']:.1f} | {r['gbps']:.0f} | {vs} | {r['pct_copy']:.0f} % |")
     t = result["targets"]
-    ok = lambda b: "met" if b else "NOT met"  # noqa: E731
+    judged = t.get("judged", True)
+    ok = lambda b: ("met" if b else "NOT met") if judged else "not judged"  # noqa: E731
     lines += ["", f"Targets: aligned_fused ≤ 1.1× plain BF16 SwiGLU: {t['fused_vs_plain']:.2f}× "
               f"({ok(t['fused_vs_plain_ok'])}); ≥ 80 % of copy bandwidth: {t['fused_pct_copy']:.0f} % "
-              f"({ok(t['fused_pct_copy_ok'])}).", f"Bytes: {result['bytes_note']}."]
+              f"({ok(t['fused_pct_copy_ok'])})."]
+    if not judged:
+        lines.append(f"The targets are stated at {TARGET_TOKENS} tokens; at {result['tokens']} the kernels are "
+                     "launch-bound and the ratios say little.")
+    lines.append(f"Bytes: {result['bytes_note']}.")
     if not result.get("lmdeploy_peer"):
         lines.append("LMDeploy peers skipped (its kernel modules are not importable; see .lmdeploy/README.txt).")
     return "\n".join(lines)

@@ -42,3 +42,19 @@ def test_format_renders_a_result():
     assert "| – |" in expert and "| 84 % |" in expert, expert
     assert "1.04× (met)" in text and "50 % (NOT met)" in text, text
     assert "LMDeploy peers skipped" in text
+
+
+def test_format_judges_targets_only_at_8192_tokens():
+    act = 2048 * 2048 * 2
+    result = {
+        "tokens": 2048, "hidden": 4096, "inter": 2048, "samples": 50, "limit": 10.0, "lmdeploy_peer": True,
+        "copy_gbps": 1200.0,
+        "rows": [_row("copy", "activation", 27.0, 4 * act, 1, 1.0, 100.0),
+                 _row("aligned_fused", "activation", 20.0, 3 * act, 1, 0.75, 99.0)],
+        "targets": {"judged": False, "fused_vs_plain": 0.75, "fused_vs_plain_ok": True, "fused_pct_copy": 99.0,
+                    "fused_pct_copy_ok": True},
+        "bytes_note": "counted at kernel boundaries",
+    }
+    text = format_moe_act(result)
+    assert "met" not in text.replace("not judged", ""), text
+    assert "0.75× (not judged)" in text and "stated at 8192 tokens; at 2048" in text, text
