@@ -130,13 +130,16 @@ def _check_fp32(label, o, s, o_ref, s_ref):
 # ---------------------------------------------------------------------------------------------
 
 
+VARIANTS = {"fused": {}, "split-output": dict(split_output=True), "split-chunk": dict(split_chunk=True)}
+
+
 @needs_interpreter
-@pytest.mark.parametrize("split", [False, True], ids=["fused-output", "split-output"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", CASES, ids=ids)
-def test_fp32_inputs_match_fp64_recurrence(case, split, dots):
+def test_fp32_inputs_match_fp64_recurrence(case, variant, dots):
     inputs = make_inputs(case, torch.float32)
-    o, s = _run(inputs, split_output=split)
-    _check_fp32(f"{dots} {case.name} split={split}", o, s, *_reference(inputs))
+    o, s = _run(inputs, **VARIANTS[variant])
+    _check_fp32(f"{dots} {case.name} {variant}", o, s, *_reference(inputs))
 
 
 @needs_interpreter
@@ -151,8 +154,9 @@ def test_unpacked_batch_restarts_state_per_sequence(dots):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("split_chunk", [False, True], ids=["fused", "split-chunk"])
 @pytest.mark.parametrize("force_exact", [False, True], ids=["guarded", "exact-everywhere"])
-def test_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
+def test_steep_gates_take_the_exact_path(force_exact, split_chunk, monkeypatch, dots):
     """Gates of -30 per token in a quarter of the keys put e^{±240} into a 16-token block: those
     blocks must take the exact elementwise path; forcing it everywhere must give the same answer."""
     inputs = make_inputs(Case("steep", (100,), heads=2, k_dim=32, v_dim=32, initial_state=True), torch.float32)
@@ -160,8 +164,8 @@ def test_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
     inputs["g"][:, 32:80, 1, :] = -0.01  # head 1: rows 32-79 stay on the fast path
     if force_exact:
         monkeypatch.setattr(kda_fp32_triton, "SPAN", -1.0)
-    o, s = _run(inputs)
-    _check_fp32(f"{dots} steep gates exact={force_exact}", o, s, *_reference(inputs))
+    o, s = _run(inputs, split_chunk=split_chunk)
+    _check_fp32(f"{dots} steep gates exact={force_exact} split_chunk={split_chunk}", o, s, *_reference(inputs))
 
 
 @needs_interpreter
@@ -233,12 +237,15 @@ BOUNDS_CASES = [
     (CASES[4], torch.float32, {}),  # packed, K = 96, V = 48, initial state
     (CASES[4], torch.float32, dict(split_output=True)),
     (CASES[2], torch.bfloat16, dict(block_k=16, block_v=16, split_output=True)),
+    (CASES[4], torch.float32, dict(split_chunk=True)),
+    (CASES[2], torch.bfloat16, dict(block_k=16, block_v=16, split_chunk=True)),
 ]
 
 
 @needs_interpreter
 @pytest.mark.parametrize("case,dtype,kw", BOUNDS_CASES,
-                         ids=[c.name + ("-split" if kw.get("split_output") else "") for c, _, kw in BOUNDS_CASES])
+                         ids=[c.name + "".join(f"-{k}" for k in ("split_output", "split_chunk") if kw.get(k))
+                              for c, _, kw in BOUNDS_CASES])
 def test_every_access_stays_inside_its_tensor(case, dtype, kw, bounds_checked):
     inputs = make_inputs(case, dtype)
     inputs["g"] = inputs["g"].float()
@@ -264,14 +271,14 @@ H200_CASES = [
 
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRET, reason="the H200 geometry is for compiled kernels, not the interpreter")
-@pytest.mark.parametrize("split", [False, True], ids=["fused-output", "split-output"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", H200_CASES, ids=[c.name for c in H200_CASES])
-def test_cuda_h64_k128_fp32_and_bf16_inputs(case, split):
+def test_cuda_h64_k128_fp32_and_bf16_inputs(case, variant):
     inputs = make_inputs(case, torch.float32, device="cuda")
-    o, s = _run(inputs, split_output=split)
-    _check_fp32(f"cuda {case.name} split={split}", o, s, *_reference(inputs))
+    o, s = _run(inputs, **VARIANTS[variant])
+    _check_fp32(f"cuda {case.name} {variant}", o, s, *_reference(inputs))
     bf16 = {n: (x.to(torch.bfloat16) if n in ("q", "k", "v", "beta") else x) for n, x in inputs.items()}
-    o16, _ = _run(bf16, split_output=split)
+    o16, _ = _run(bf16, **VARIANTS[variant])
     err = rel_l2(o16, round_bf16(_reference(bf16)[0]))
     print(f"[cuda bf16 io {case.name}] o={err:.2e}")
     assert err <= TOL["bf16_io"]["fp32"], f"o (bf16 inputs): {err:.3e}"

@@ -145,11 +145,8 @@ def _inverse(l0, l1, l2, l3, r):
 
 
 @triton.jit
-def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scale,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr):
-    i_s = tl.program_id(0)
-    i_h = tl.program_id(1)
+def _slot(chunk_map, cu, i_s, i_h, H: tl.constexpr):
+    """Chunk slot i_s of head i_h: rows r, valid rows, token indices, and the slot's scratch index."""
     doc = tl.load(chunk_map + 2 * i_s)
     i_t = tl.load(chunk_map + 2 * i_s + 1)
     live = doc >= 0  # unused trailing slots of the fixed-length chunk list carry doc = -1
@@ -157,18 +154,72 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scal
     start = tl.load(cu + doc) + i_t.to(tl.int64) * 64
     n = tl.where(live, tl.minimum(tl.load(cu + doc + 1) - start, 64), 0)
     r = tl.arange(0, 64)
-    rows = r < n
-    tok = start + r.to(tl.int64)
-    slot = i_s.to(tl.int64) * H + i_h
+    return r, r < n, n, start + r.to(tl.int64), i_s.to(tl.int64) * H + i_h
 
-    # L2 norms in FP32 over the full rows
+
+@triton.jit
+def _inv_norms(q, k, tok, rows, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr):
+    """1 / L2 norm of the q and k rows, FP32 over the full rows."""
     ck = tl.arange(0, BK)
     m_full = rows[:, None] & (ck < K)[None, :]
     off_full = tok[:, None] * (H * K) + i_h * K + ck[None, :]
     qx = tl.load(q + off_full, mask=m_full, other=0.0).to(tl.float32)
     kx = tl.load(k + off_full, mask=m_full, other=0.0).to(tl.float32)
-    rq = 1.0 / tl.sqrt(tl.sum(qx * qx, 1) + EPS)
-    rk = 1.0 / tl.sqrt(tl.sum(kx * kx, 1) + EPS)
+    return 1.0 / tl.sqrt(tl.sum(qx * qx, 1) + EPS), 1.0 / tl.sqrt(tl.sum(kx * kx, 1) + EPS)
+
+
+@triton.jit
+def _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H: tl.constexpr, K: tl.constexpr, BKB: tl.constexpr):
+    """K-slice kb: its columns, q̂ and k̂ [64, BKB] FP32, the FP64 chunk cumulative gate and its last row."""
+    c = kb * BKB + tl.arange(0, BKB)
+    m = rows[:, None] & (c < K)[None, :]
+    off = tok[:, None] * (H * K) + i_h * K + c[None, :]
+    qh = tl.load(q + off, mask=m, other=0.0).to(tl.float32) * rq[:, None]
+    kh = tl.load(k + off, mask=m, other=0.0).to(tl.float32) * rk[:, None]
+    # the chunk cumulative gate in FP64: every exponent below is a difference of two of its rows,
+    # which FP32 prefixes would carry with an absolute error ~ulp(|gc|) (6e-5 at |gc| = 960)
+    gc = tl.cumsum(tl.load(g + off, mask=m, other=0.0).to(tl.float64), 0)
+    gl = tl.sum(tl.where((r == n - 1)[:, None], gc, 0.0), 0)  # the chunk's last row (exact select)
+    return c, qh, kh, gc, gl
+
+
+@triton.jit
+def _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK: tl.constexpr):
+    """qg, the right-hand side β k̂ e^{gc} of w (solved later), kgᵀ and e^{gc_last} of one K-slice."""
+    eg = tl.exp(gc.to(tl.float32))
+    t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
+    tl.store(QG + t_off, qh * eg * scale)
+    tl.store(W + t_off, kh * eg * b[:, None])
+    kg = kh * tl.exp((gl[None, :] - gc).to(tl.float32))
+    tl.store(KGT + slot * (BK * 64) + c[None, :] * 64 + r[:, None], kg)
+    tl.store(DEC + slot * BK + c, tl.exp(gl.to(tl.float32)))
+
+
+@triton.jit
+def _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr, V: tl.constexpr,
+           BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr):
+    """w = A⁻¹ (β k̂ e^{gc}) in place of its right-hand side in W, and u = A⁻¹ (β v)."""
+    ainv = _inverse(l0, l1, l2, l3, r)
+    tl.debug_barrier()  # the right-hand side in W was stored by other threads of this program
+    for kb in range(BK // BKB):
+        c = kb * BKB + tl.arange(0, BKB)
+        t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
+        tl.store(W + t_off, tl.dot(ainv, tl.load(W + t_off), input_precision="tf32x3"))
+    for vb in range(BV // BVB):
+        c = vb * BVB + tl.arange(0, BVB)
+        m = rows[:, None] & (c < V)[None, :]
+        vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + c[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(U + slot * (64 * BV) + r[:, None] * BV + c[None, :],
+                 tl.dot(ainv, vx * b[:, None], input_precision="tf32x3"))
+
+
+@triton.jit
+def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scale,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr):
+    i_h = tl.program_id(1)
+    r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
+    rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
     b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
 
     # pass 1 over K-slices: gate cumsum, qg / kgᵀ / βk̂e^{gc} / e^{gc_last}, blocked Aqk and A
@@ -181,22 +232,8 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scal
     ak2 = tl.zeros([64, 16], dtype=tl.float32)
     ak3 = tl.zeros([64, 16], dtype=tl.float32)
     for kb in range(BK // BKB):
-        c = kb * BKB + tl.arange(0, BKB)
-        m = rows[:, None] & (c < K)[None, :]
-        off = tok[:, None] * (H * K) + i_h * K + c[None, :]
-        qh = tl.load(q + off, mask=m, other=0.0).to(tl.float32) * rq[:, None]
-        kh = tl.load(k + off, mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        # the chunk cumulative gate in FP64: every exponent below is a difference of two of its
-        # rows, which FP32 prefixes would carry with an absolute error ~ulp(|gc|) (6e-5 at |gc| = 960)
-        gc = tl.cumsum(tl.load(g + off, mask=m, other=0.0).to(tl.float64), 0)
-        gl = tl.sum(tl.where((r == n - 1)[:, None], gc, 0.0), 0)  # the chunk's last row (exact select)
-        eg = tl.exp(gc.to(tl.float32))
-        t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
-        tl.store(QG + t_off, qh * eg * scale)
-        tl.store(W + t_off, kh * eg * b[:, None])  # right-hand side of w, solved in pass 2
-        kg = kh * tl.exp((gl[None, :] - gc).to(tl.float32))
-        tl.store(KGT + slot * (BK * 64) + c[None, :] * 64 + r[:, None], kg)
-        tl.store(DEC + slot * BK + c, tl.exp(gl.to(tl.float32)))
+        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+        _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
         aq0, ak0 = _col_block(qh, kh, gc, r, aq0, ak0, 0, BKB, SPAN)
         aq1, ak1 = _col_block(qh, kh, gc, r, aq1, ak1, 1, BKB, SPAN)
         aq2, ak2 = _col_block(qh, kh, gc, r, aq2, ak2, 2, BKB, SPAN)
@@ -207,20 +244,65 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scal
     l1 = _finish_block(aq1, ak1, b, r, aqk_ptr, scale, 1)
     l2 = _finish_block(aq2, ak2, b, r, aqk_ptr, scale, 2)
     l3 = _finish_block(aq3, ak3, b, r, aqk_ptr, scale, 3)
-    ainv = _inverse(l0, l1, l2, l3, r)
-
     # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
-    tl.debug_barrier()  # pass 1's W stores come from other threads of this program
+    _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, slot, i_h, H, V, BK, BV, BKB, BVB)
+
+
+@triton.jit
+def _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
+                   J: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
+                   SPAN: tl.constexpr):
+    """Column block J of Aqk (stored) and of A − I (stored to LBLK for the solve), over all K-slices;
+    this program also stores the per-slice outputs of every fourth K-slice, starting at J."""
+    aq = tl.zeros([64, 16], dtype=tl.float32)
+    ak = tl.zeros([64, 16], dtype=tl.float32)
     for kb in range(BK // BKB):
-        c = kb * BKB + tl.arange(0, BKB)
-        t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
-        tl.store(W + t_off, tl.dot(ainv, tl.load(W + t_off), input_precision="tf32x3"))
-    for vb in range(BV // BVB):
-        c = vb * BVB + tl.arange(0, BVB)
-        m = rows[:, None] & (c < V)[None, :]
-        vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + c[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(U + slot * (64 * BV) + r[:, None] * BV + c[None, :],
-                 tl.dot(ainv, vx * b[:, None], input_precision="tf32x3"))
+        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+        if kb % 4 == J:
+            _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
+        aq, ak = _col_block(qh, kh, gc, r, aq, ak, J, BKB, SPAN)
+    lJ = _finish_block(aq, ak, b, r, AQK + slot * 4096, scale, J)
+    col = 16 * J + tl.arange(0, 16)
+    tl.store(LBLK + slot * 4096 + r[:, None] * 64 + col[None, :], lJ)
+
+
+@triton.jit
+def _chunk_cols_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, LBLK, scale,
+                       H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
+                       EPS: tl.constexpr, SPAN: tl.constexpr):
+    """``split_chunk`` part 1, one program per (column block J, chunk slot, head): two [64,16]
+    accumulators instead of the fused kernel's eight."""
+    i_j = tl.program_id(0)
+    i_h = tl.program_id(2)
+    r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(1), i_h, H)
+    rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
+    b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
+    if i_j == 0:
+        _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
+                       0, H, K, BK, BKB, SPAN)
+    elif i_j == 1:
+        _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
+                       1, H, K, BK, BKB, SPAN)
+    elif i_j == 2:
+        _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
+                       2, H, K, BK, BKB, SPAN)
+    else:
+        _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
+                       3, H, K, BK, BKB, SPAN)
+
+
+@triton.jit
+def _chunk_solve_kernel(v, beta, chunk_map, cu, W, U, LBLK, H: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr):
+    """``split_chunk`` part 2, one program per (chunk slot, head): A⁻¹ from the stored A − I, then
+    w and u."""
+    i_h = tl.program_id(1)
+    r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
+    b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
+    c16 = tl.arange(0, 16)
+    p = LBLK + slot * 4096 + r[:, None] * 64 + c16[None, :]
+    _solve(tl.load(p), tl.load(p + 16), tl.load(p + 32), tl.load(p + 48), r, rows, tok, b, v, W, U, slot, i_h,
+           H, V, BK, BV, BKB, BVB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +466,8 @@ def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
-                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4), split_output: bool = False):
+                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4), split_output: bool = False,
+                 split_chunk: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16, g ``[B,T,H,K]`` FP32, beta ``[B,T,H]``,
@@ -397,6 +480,9 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     ``split_output``: the state pass only carries the state (two dots per chunk on its sequential
     path instead of four) and stores each chunk's entering state and v_new (FP32, 1.6 GB at
     T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
+    ``split_chunk``: the chunk kernel as two kernels, one program per (column block, chunk, head)
+    for Aqk and A (two accumulators instead of eight: fewer registers, more programs; A − I goes
+    through memory, 268 MB at T=16384, H=64), then the solve and w, u per (chunk, head).
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
@@ -426,7 +512,14 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     U = torch.empty(max(n_slots, 1), H, CHUNK, BV, **f32)
     AQK = torch.empty(max(n_slots, 1), H, CHUNK, CHUNK, **f32)
     DEC = torch.empty(max(n_slots, 1), H, BK, **f32)
-    if n_slots > 0 and H > 0:
+    if n_slots > 0 and H > 0 and split_chunk:
+        LBLK = torch.empty_like(AQK)
+        _chunk_cols_kernel[(4, n_slots, H)](
+            q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, LBLK, float(scale),
+            H=H, K=K, BK=BK, BKB=BKB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0])
+        _chunk_solve_kernel[(n_slots, H)](
+            v, beta, chunk_map, cu, W, U, LBLK, H=H, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, num_warps=warps[0])
+    elif n_slots > 0 and H > 0:
         _chunk_kernel[(n_slots, H)](
             q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, float(scale),
             H=H, K=K, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0])
