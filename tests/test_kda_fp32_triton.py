@@ -130,7 +130,7 @@ def _check_fp32(label, o, s, o_ref, s_ref):
 # ---------------------------------------------------------------------------------------------
 
 
-VARIANTS = {"fused": {}, "split-output": dict(split_output=True), "split-chunk": dict(split_chunk=True)}
+VARIANTS = {"fused": {}, "split-output": dict(split_output=True)}
 
 
 @needs_interpreter
@@ -154,9 +154,8 @@ def test_unpacked_batch_restarts_state_per_sequence(dots):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("split_chunk", [False, True], ids=["fused", "split-chunk"])
 @pytest.mark.parametrize("force_exact", [False, True], ids=["guarded", "exact-everywhere"])
-def test_steep_gates_take_the_exact_path(force_exact, split_chunk, monkeypatch, dots):
+def test_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
     """Gates of -30 per token in a quarter of the keys put e^{±240} into a 16-token block: those
     blocks must take the exact elementwise path; forcing it everywhere must give the same answer."""
     inputs = make_inputs(Case("steep", (100,), heads=2, k_dim=32, v_dim=32, initial_state=True), torch.float32)
@@ -164,8 +163,8 @@ def test_steep_gates_take_the_exact_path(force_exact, split_chunk, monkeypatch, 
     inputs["g"][:, 32:80, 1, :] = -0.01  # head 1: rows 32-79 stay on the fast path
     if force_exact:
         monkeypatch.setattr(kda_fp32_triton, "SPAN", -1.0)
-    o, s = _run(inputs, split_chunk=split_chunk)
-    _check_fp32(f"{dots} steep gates exact={force_exact} split_chunk={split_chunk}", o, s, *_reference(inputs))
+    o, s = _run(inputs)
+    _check_fp32(f"{dots} steep gates exact={force_exact}", o, s, *_reference(inputs))
 
 
 @needs_interpreter
@@ -237,15 +236,12 @@ BOUNDS_CASES = [
     (CASES[4], torch.float32, {}),  # packed, K = 96, V = 48, initial state
     (CASES[4], torch.float32, dict(split_output=True)),
     (CASES[2], torch.bfloat16, dict(block_k=16, block_v=16, split_output=True)),
-    (CASES[4], torch.float32, dict(split_chunk=True)),
-    (CASES[2], torch.bfloat16, dict(block_k=16, block_v=16, split_chunk=True)),
 ]
 
 
 @needs_interpreter
 @pytest.mark.parametrize("case,dtype,kw", BOUNDS_CASES,
-                         ids=[c.name + "".join(f"-{k}" for k in ("split_output", "split_chunk") if kw.get(k))
-                              for c, _, kw in BOUNDS_CASES])
+                         ids=[c.name + ("-split" if kw.get("split_output") else "") for c, _, kw in BOUNDS_CASES])
 def test_every_access_stays_inside_its_tensor(case, dtype, kw, bounds_checked):
     inputs = make_inputs(case, dtype)
     inputs["g"] = inputs["g"].float()

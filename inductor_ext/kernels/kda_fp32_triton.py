@@ -248,63 +248,6 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scal
     _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, slot, i_h, H, V, BK, BV, BKB, BVB)
 
 
-@triton.jit
-def _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
-                   J: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
-                   SPAN: tl.constexpr):
-    """Column block J of Aqk (stored) and of A − I (stored to LBLK for the solve), over all K-slices;
-    this program also stores the per-slice outputs of every fourth K-slice, starting at J."""
-    aq = tl.zeros([64, 16], dtype=tl.float32)
-    ak = tl.zeros([64, 16], dtype=tl.float32)
-    for kb in range(BK // BKB):
-        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
-        if kb % 4 == J:
-            _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
-        aq, ak = _col_block(qh, kh, gc, r, aq, ak, J, BKB, SPAN)
-    lJ = _finish_block(aq, ak, b, r, AQK + slot * 4096, scale, J)
-    col = 16 * J + tl.arange(0, 16)
-    tl.store(LBLK + slot * 4096 + r[:, None] * 64 + col[None, :], lJ)
-
-
-@triton.jit
-def _chunk_cols_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, LBLK, scale,
-                       H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
-                       EPS: tl.constexpr, SPAN: tl.constexpr):
-    """``split_chunk`` part 1, one program per (column block J, chunk slot, head): two [64,16]
-    accumulators instead of the fused kernel's eight."""
-    i_j = tl.program_id(0)
-    i_h = tl.program_id(2)
-    r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(1), i_h, H)
-    rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
-    b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
-    if i_j == 0:
-        _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
-                       0, H, K, BK, BKB, SPAN)
-    elif i_j == 1:
-        _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
-                       1, H, K, BK, BKB, SPAN)
-    elif i_j == 2:
-        _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
-                       2, H, K, BK, BKB, SPAN)
-    else:
-        _one_col_block(q, k, g, tok, rows, r, n, rq, rk, b, i_h, QG, W, KGT, DEC, slot, AQK, LBLK, scale,
-                       3, H, K, BK, BKB, SPAN)
-
-
-@triton.jit
-def _chunk_solve_kernel(v, beta, chunk_map, cu, W, U, LBLK, H: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr):
-    """``split_chunk`` part 2, one program per (chunk slot, head): A⁻¹ from the stored A − I, then
-    w and u."""
-    i_h = tl.program_id(1)
-    r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
-    b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
-    c16 = tl.arange(0, 16)
-    p = LBLK + slot * 4096 + r[:, None] * 64 + c16[None, :]
-    _solve(tl.load(p), tl.load(p + 16), tl.load(p + 32), tl.load(p + 48), r, rows, tok, b, v, W, U, slot, i_h,
-           H, V, BK, BV, BKB, BVB)
-
-
 # ---------------------------------------------------------------------------------------------
 # kernel 2: the state pass, one program per (V-block, head, document)
 # ---------------------------------------------------------------------------------------------
@@ -466,8 +409,7 @@ def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
-                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4), split_output: bool = False,
-                 split_chunk: bool = False):
+                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4), split_output: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16, g ``[B,T,H,K]`` FP32, beta ``[B,T,H]``,
@@ -480,9 +422,6 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     ``split_output``: the state pass only carries the state (two dots per chunk on its sequential
     path instead of four) and stores each chunk's entering state and v_new (FP32, 1.6 GB at
     T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
-    ``split_chunk``: the chunk kernel as two kernels, one program per (column block, chunk, head)
-    for Aqk and A (two accumulators instead of eight: fewer registers, more programs; A − I goes
-    through memory, 268 MB at T=16384, H=64), then the solve and w, u per (chunk, head).
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
@@ -512,14 +451,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     U = torch.empty(max(n_slots, 1), H, CHUNK, BV, **f32)
     AQK = torch.empty(max(n_slots, 1), H, CHUNK, CHUNK, **f32)
     DEC = torch.empty(max(n_slots, 1), H, BK, **f32)
-    if n_slots > 0 and H > 0 and split_chunk:
-        LBLK = torch.empty_like(AQK)
-        _chunk_cols_kernel[(4, n_slots, H)](
-            q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, LBLK, float(scale),
-            H=H, K=K, BK=BK, BKB=BKB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0])
-        _chunk_solve_kernel[(n_slots, H)](
-            v, beta, chunk_map, cu, W, U, LBLK, H=H, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, num_warps=warps[0])
-    elif n_slots > 0 and H > 0:
+    if n_slots > 0 and H > 0:
         _chunk_kernel[(n_slots, H)](
             q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, float(scale),
             H=H, K=K, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0])
