@@ -132,8 +132,9 @@ def install_persistent_reductions(max_numel: int) -> bool:
     The looped form reads its input twice and recomputes the fused SwiGLU in its second pass
     (H200, 8192 x 2048: 59.8 us looped, 52.9 us persistent, bitwise equal outputs).
 
-    Installed as ``config.inductor_choices_class`` where torch has it (2.13: every thread), and as
-    the calling thread's ``V.choices`` handler (the only hook on 2.11)."""
+    Installed as ``config.inductor_choices_class`` where torch has it (2.13 does: every thread), and
+    as the calling thread's ``V.choices`` handler when that is still Inductor's plain one (the only
+    hook where torch lacks the factory)."""
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
