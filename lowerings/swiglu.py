@@ -2,10 +2,11 @@
 
 SwiGLU is pointwise: decomposed, it fuses with the split of the gate/up projection before it
 and with the FP8 QDQ or the down projection's input cast after it. Rounding points of the
-contract (``inductor_ext/ops/swiglu.py``) are kept with :mod:`lowerings._rounding`:
+contract (``inductor_ext/ops/swiglu.py``) are kept with :mod:`lowerings._rounding`, and the clamps
+are compare-and-select (:func:`~lowerings._rounding.clamp_select`, bitwise ``clamp``):
 
 - ``serving``: FP32 ``g / (1 + exp(−g)) · u`` from the exact inputs, one BF16 rounding: the
-  reference expression itself (:func:`~inductor_ext.ops.swiglu.swiglu_reference` on FP32).
+  expression of :func:`~inductor_ext.ops.swiglu.swiglu_reference`.
 - ``native``: transformers' BF16 chain, ``silu`` rounded to the input dtype (ATen's CPU and CUDA
   kernels compute it as ``x / (1 + exp(−x))`` in FP32), then the product rounded again.
 
@@ -19,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.swiglu import swiglu_reference
-from lowerings._rounding import exact, store
+from lowerings._rounding import clamp_select, exact, store
 
 __all__ = ["swiglu_decomposition", "DECOMPOSITIONS"]
 
@@ -28,10 +28,10 @@ __all__ = ["swiglu_decomposition", "DECOMPOSITIONS"]
 def swiglu_decomposition(gate, up, limit, mode):
     """SwiGLU output in the input dtype as ATen ops."""
     dtype = gate.dtype
+    g = clamp_select(exact(gate), None, limit)
+    u = clamp_select(exact(up), -limit, limit)
     if mode == "serving":
-        return store(swiglu_reference(exact(gate), exact(up), limit, "serving"), dtype)
-    g = exact(gate).clamp(max=limit)
-    u = exact(up).clamp(-limit, limit)
+        return store(g / (1.0 + torch.exp(-g)) * u, dtype)
     silu = store(g / (1.0 + torch.exp(-g)), dtype).float()
     return store(silu * u, dtype)
 

@@ -98,6 +98,20 @@ def test_planted_wrong_scale_fails_the_checks():
 
 
 @pytest.mark.parametrize("fmt", FMTS)
+def test_a_group_holding_inf_or_nan_comes_out_all_nan(fmt):
+    """The contract for non-finite groups: scale inf (or NaN), every output of the group NaN; the
+    other groups of the row are untouched."""
+    x = torch.randn(2, 384)
+    x[0, 5], x[1, 130] = float("inf"), float("nan")
+    out, s = ops.fp8_qdq(x, scale_fmt=fmt, return_scale=True)
+    assert s[0, 0] == float("inf") and s[1, 1].isnan(), f"scales of the non-finite groups: {s.tolist()}"
+    assert out[0, :128].isnan().all() and out[1, 128:256].isnan().all(), "a non-finite group has finite outputs"
+    finite = torch.ones_like(out, dtype=torch.bool)
+    finite[0, :128] = finite[1, 128:256] = False
+    assert out[finite].isfinite().all(), "a finite group was touched"
+
+
+@pytest.mark.parametrize("fmt", FMTS)
 def test_error_is_fp8_sized(fmt):
     # e4m3 keeps 3 mantissa bits: relative L2 error a few percent, never zero
     x = torch.randn(64, 512)

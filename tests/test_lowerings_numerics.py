@@ -11,7 +11,7 @@ import inductor_ext
 from inductor_ext import ops
 from lowerings._compat import inductor_config
 from inductor_ext.ops.fp8_qdq import e4m3_cast
-from lowerings._rounding import round_e4m3, round_to, ulp_distance
+from lowerings._rounding import clamp_select, round_to, ulp_distance
 
 BF16 = torch.bfloat16
 
@@ -46,32 +46,48 @@ def test_rounding_helpers_match_dtype_casts_when_compiled():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_round_e4m3_matches_the_float8_cast(device):
-    """round_e4m3 (integer bits, fuses) equals ``v.to(float8_e4m3fn).float()`` bitwise, eager and
-    compiled (C++ on the CPU, Triton on CUDA), on every BF16 value in [-448, 448], random FP32
-    patterns scaled into that range, exact ties (normal and subnormal), the subnormal/normal
-    boundary, ±0 and NaN (NaN-equal)."""
+def test_round_to_e4m3_matches_the_float8_cast(device):
+    """round_to(v, float8_e4m3fn) compiled (C++ on the CPU, Triton's hardware conversion on CUDA)
+    equals ``v.to(float8_e4m3fn).float()`` bitwise on every BF16 value in [-464, 464], random FP32
+    patterns scaled into [-448, 448], exact ties (normal and subnormal, 464 onto 448), the
+    subnormal/normal boundary, ±0 and NaN (NaN-equal)."""
     b = all_bf16(1).flatten().float()
-    b = b[(b.abs() <= 448) | b.isnan()]
+    b = b[(b.abs() <= 464) | b.isnan()]
     r = torch.randint(-2**31, 2**31 - 1, (1 << 16,), dtype=torch.int32).view(torch.float32)
     r = r[r.isfinite()]
     r = torch.cat([r / r.abs().clamp_min(1e-30) * torch.rand_like(r) * 448, r * 2.0**-120])
     ties = torch.tensor([1 + 2.0**-4, 1 + 3 * 2.0**-4, 2.0**-10, 3 * 2.0**-10, 2.0**-6 - 2.0**-10,
-                         2.0**-6 - 2.0**-11, 2.0**-6, 416.0 + 16, 448.0, 0.0, -0.0, float("nan")])
+                         2.0**-6 - 2.0**-11, 2.0**-6, 416.0 + 16, 448.0, 448 * (1 + 2.0**-22), 464.0, 0.0, -0.0,
+                         float("nan")])
     v = torch.cat([b, r, ties, -ties]).to(device)
     want = e4m3_cast(v)
     nan = v.isnan()  # NaN stays NaN; the payload (the cast keeps the sign) is not part of the contract
-    for name, got in (("eager", round_e4m3(v)), ("compiled", compiled(round_e4m3, v))):
-        assert got[nan].isnan().all(), f"round_e4m3 {name}: NaN lost"
-        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), f"round_e4m3 {name} differs"
+    got = compiled(lambda v: round_to(v, torch.float8_e4m3fn), v)
+    assert got[nan].isnan().all(), "round_to e4m3: NaN lost"
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), "round_to e4m3 differs"
+
+
+def test_clamp_select_is_clamp_bitwise():
+    """clamp_select equals ``clamp`` bitwise, compiled and eager, on every BF16 value (±0, ±inf and
+    NaN included) for both one-sided and two-sided limits."""
+    x = all_bf16(1).flatten().float()
+
+    def f(x):
+        return clamp_select(x, None, 10.0), clamp_select(x, -10.0, 10.0), clamp_select(x, -0.5, None)
+
+    want = (x.clamp(max=10.0), x.clamp(-10.0, 10.0), x.clamp(min=-0.5))
+    for name, got in (("eager", f(x)), ("compiled", compiled(f, x))):
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"clamp_select {name} differs"
 
 
 def test_swiglu_and_fp8_qdq_bitwise_on_every_bf16_value():
     """swiglu (serving and native) over all 65536 BF16 gate values, and fp8_qdq (ue8m0 and fp32
     scales) over all BF16 values as groups: compiled output is bitwise the reference's. Inductor's
     exp (SLEEF) differs from eager's (MKL VML) in the last FP32 bit for ~9% of arguments; the
-    BF16 rounding absorbs it on every value here. fp32 scales of groups holding NaN/inf are NaN
-    in both but may carry another NaN payload, so scales compare NaN-equal."""
+    BF16 rounding absorbs it on every value here. Groups holding NaN/inf have NaN or inf scales and
+    all-NaN outputs in both, but a NaN may carry another payload (the compiled amax is an integer
+    max over the bits), so scales and FP8 outputs compare NaN-equal; finite values bitwise."""
     gate, up = all_bf16(256), torch.randn(256, 256, dtype=BF16) * 4
     x = all_bf16(64)
 
@@ -82,7 +98,7 @@ def test_swiglu_and_fp8_qdq_bitwise_on_every_bf16_value():
 
     names = ("swiglu serving", "swiglu native", "qdq ue8m0", "scale ue8m0", "qdq fp32", "scale fp32")
     for got, ref, name in zip(compiled(f, gate, up, x), f(gate, up, x), names):
-        if name == "scale fp32":
+        if name.startswith(("scale", "qdq")):
             assert max_ulps(got, ref, name) == 0, name
         else:
             bits = torch.int16 if got.dtype == BF16 else torch.int32
@@ -161,13 +177,13 @@ def test_mhc_measured_ulps():
 
 
 def test_round_to_rejects_what_it_cannot_round():
-    """glm53::round_to takes FP32 and rounds to BF16 or FP16 only, in the kernel and in the fake
-    (under Inductor only the fake and the lowering run)."""
+    """glm53::round_to takes FP32 and rounds to BF16, FP16 or e4m3 only, in the kernel and in the
+    fake (under Inductor only the fake and the lowering run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with pytest.raises(ValueError, match="round_to"):
-        torch.ops.glm53.round_to(torch.zeros(4), torch.float8_e4m3fn)
+        torch.ops.glm53.round_to(torch.zeros(4), torch.float8_e5m2)
     with pytest.raises(ValueError, match="round_to"):
         torch.ops.glm53.round_to(torch.zeros(4, dtype=torch.float64), BF16)
     with FakeTensorMode(), pytest.raises(ValueError, match="round_to"):
-        torch.ops.glm53.round_to(torch.empty(4), torch.float8_e4m3fn)
+        torch.ops.glm53.round_to(torch.empty(4), torch.float8_e5m2)

@@ -11,7 +11,8 @@ computed in FP32 from the input::
 
 ``ceil(log2(·))`` is taken from the FP32 bits (exponent, plus one when the mantissa is non-zero),
 as the serving quantizers do: ``torch.log2`` rounds values just above a power of two down onto it
-and would pick a scale half as large. The op returns ``(â, s)``; s is FP32 ``[..., D/128]`` and not
+and would pick a scale half as large. A group holding inf or NaN gets the scale inf or NaN
+(``1/s`` = 0 or NaN) and comes out all NaN. The op returns ``(â, s)``; s is FP32 ``[..., D/128]`` and not
 differentiable. The backward is the straight-through identity, ``dx = dâ`` in x's dtype.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil",
-           "pow2_reciprocal", "validate_fp8_qdq_inputs"]
+           "pow2_reciprocal", "scaled_quotient", "validate_fp8_qdq_inputs"]
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -62,21 +63,28 @@ def e4m3_cast(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float8_e4m3fn).float()
 
 
-def fp8_qdq_reference(x, scale_fmt, e4m3=e4m3_cast):
-    """Plain-torch kernel (every device): returns (â in x's dtype, FP32 scales ``[..., D/128]``).
+def scaled_quotient(a: torch.Tensor, amax: torch.Tensor, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, a / s)`` for groups ``a [..., G, 128]`` with floored ``amax [..., G, 1]``, FP32.
 
-    ``e4m3`` rounds the clamped FP32 quotient to e4m3 (default: the dtype cast; the Inductor
-    decomposition passes an integer-bit equivalent that fuses, see ``lowerings/fp8_qdq.py``)."""
+    ``ue8m0``: ``a · (1/s)``, bitwise ``a / s`` for a power of two. A non-finite amax keeps its
+    value as the scale, and its reciprocal is 0 (inf) or NaN, so such a group's quotient is 0 or
+    NaN and its output ``q · s`` NaN; the bit tricks of :func:`pow2_ceil` would turn NaN into −0.
+    Both formats give ``|a / s| <= 448·(1 + 2⁻²²)`` (s is ``amax/448`` or above it), which
+    e4m3 rounds to 448: the contract's clamp is a no-op that a fused kernel may skip."""
+    ratio = amax / FP8_MAX
+    if scale_fmt != "ue8m0":
+        return ratio, a / ratio
+    finite = ratio.isfinite()
+    s = torch.where(finite, pow2_ceil(ratio), ratio)
+    return s, a * torch.where(finite, pow2_reciprocal(s), 1.0 / s)
+
+
+def fp8_qdq_reference(x, scale_fmt):
+    """Plain-torch kernel (every device): returns (â in x's dtype, FP32 scales ``[..., D/128]``)."""
     a = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     amax = a.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR)
-    ratio = amax / FP8_MAX
-    if scale_fmt == "ue8m0":
-        s = pow2_ceil(ratio)
-        quotient = a * pow2_reciprocal(s)
-    else:
-        s = ratio
-        quotient = a / s
-    q = e4m3(quotient.clamp(-FP8_MAX, FP8_MAX))
+    s, quotient = scaled_quotient(a, amax, scale_fmt)
+    q = e4m3_cast(quotient.clamp(-FP8_MAX, FP8_MAX))
     out = (q * s).to(x.dtype).reshape(x.shape)
     return out.contiguous(), s.squeeze(-1).contiguous()
 
