@@ -1,7 +1,9 @@
 """MoE expert activation at the ``h200`` shapes: what the aligned SwiGLU + FP8 QDQ path costs.
 
-Timed (one process, CUDA-graph replay of one call each, ``samples`` replays, p50 / max; the
-method of :mod:`inductor_ext.timing`), on the expert's gate/up projection output
+Timed (one process, CUDA-graph replay, ``samples`` replays, p50 / max; the method of
+:mod:`inductor_ext.timing`) twice: a replay of one call, and a replay of ``BACK_TO_BACK`` calls
+divided by that count (without the graph launch and the ramp-up and tail of a lone kernel, which
+add 5-10 µs to these 30-40 µs kernels on the H200), on the expert's gate/up projection output
 ``gate_up [tokens, 2·inter]`` BF16 split into gate | up, limit 10:
 
 - ``plain_bf16``: ``F.silu(gate) * up`` compiled by Inductor (the BF16 SwiGLU baseline).
@@ -42,6 +44,7 @@ LIMIT = 10.0
 GROUP = 128
 TARGET_TOKENS = 8192  # issue 5's targets are stated at the h200 MoE shape; smaller runs are launch-bound
 BF16 = 2  # bytes per BF16 element
+BACK_TO_BACK = 10
 
 
 def _kernel_count(fn) -> int | None:
@@ -133,21 +136,26 @@ def bench_moe_act(tokens=8192, hidden=4096, inter=2048, samples=50, progress=Non
             fn()  # compile / autotune outside the timing
             kernels = _kernel_count(fn)
             stats = timing.replay_stats(fn, samples)
+            b2b = timing.replay_stats(fn, samples, calls=BACK_TO_BACK)
             rows.append({"name": name, "group": group, "what": what, "kernels": kernels, "bytes": nbytes,
-                         **stats, "gbps": nbytes / (stats["p50_us"] * 1e-6) / 1e9})
+                         **stats, "gbps": nbytes / (stats["p50_us"] * 1e-6) / 1e9,
+                         "b2b_p50_us": b2b["p50_us"], "b2b_max_us": b2b["max_us"],
+                         "b2b_gbps": nbytes / (b2b["p50_us"] * 1e-6) / 1e9})
     by = {r["name"]: r for r in rows}
-    copy_gbps, plain_us = by["copy"]["gbps"], by["plain_bf16"]["p50_us"]
+    copy, plain = by["copy"], by["plain_bf16"]
     for r in rows:
-        r["pct_copy"] = 100 * r["gbps"] / copy_gbps
-        r["vs_plain"] = r["p50_us"] / plain_us if r["group"] == "activation" else None
+        for pre in ("", "b2b_"):
+            r[pre + "pct_copy"] = 100 * r[pre + "gbps"] / copy[pre + "gbps"]
+            r[pre + "vs_plain"] = r[pre + "p50_us"] / plain[pre + "p50_us"] if r["group"] == "activation" else None
     fused = by["aligned_fused"]
     return {
         "tokens": tokens, "hidden": hidden, "inter": inter, "samples": samples, "limit": LIMIT,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "lmdeploy_peer": lmd is not None, "copy_gbps": copy_gbps, "rows": rows,
+        "lmdeploy_peer": lmd is not None, "copy_gbps": copy["gbps"], "back_to_back": BACK_TO_BACK, "rows": rows,
         "targets": {"judged": tokens == TARGET_TOKENS,
-                    "fused_vs_plain": fused["vs_plain"], "fused_vs_plain_ok": fused["vs_plain"] <= 1.1,
-                    "fused_pct_copy": fused["pct_copy"], "fused_pct_copy_ok": fused["pct_copy"] >= 80.0},
+                    **{f"{pre}fused_{k}": fused[pre + k] for pre in ("", "b2b_") for k in ("vs_plain", "pct_copy")},
+                    **{f"{pre}fused_vs_plain_ok": fused[pre + "vs_plain"] <= 1.1 for pre in ("", "b2b_")},
+                    **{f"{pre}fused_pct_copy_ok": fused[pre + "pct_copy"] >= 80.0 for pre in ("", "b2b_")}},
         "bytes_note": "bytes counted at kernel boundaries, each tensor once: SwiGLU reads gate+up bf16 and writes "
                       "the bf16 output; unfused adds the intermediate's write+read; copy reads+writes gate_up; "
                       "e4m3 outputs 1 B/value + 4 B per 128-group scale",
@@ -156,22 +164,27 @@ def bench_moe_act(tokens=8192, hidden=4096, inter=2048, samples=50, progress=Non
 
 def format_moe_act(result: dict) -> str:
     """Markdown table of :func:`bench_moe_act`'s rows, the targets of issue 5 under it."""
+    b2b = result.get("back_to_back", BACK_TO_BACK)
     lines = [f"MoE activation, {result['tokens']} tokens, moe_intermediate {result['inter']}, hidden "
              f"{result['hidden']} ({result.get('device', '?')}, torch {result.get('torch', '?')}, "
              f"{result['samples']} CUDA-graph replays)", "",
-             "| variant | what | kernels | MB moved | p50 / max µs | GB/s | × plain BF16 | % of copy |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| variant | what | kernels | MB moved | p50 / max µs | GB/s | × plain BF16 | % of copy "
+             f"| {b2b} back to back: µs per call | GB/s | × plain | % of copy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         kernels = "?" if r.get("kernels") is None else str(r["kernels"])
-        vs = "–" if r.get("vs_plain") is None else f"{r['vs_plain']:.2f}"
+        vs = lambda pre: "–" if r.get(pre + "vs_plain") is None else f"{r[pre + 'vs_plain']:.2f}"  # noqa: E731
         lines.append(f"| {r['name']} | {r['what']} | {kernels} | {r['bytes'] / 1e6:.1f} | "
-                     f"{r['p50_us']:.1f} / {r['max_us']:.1f} | {r['gbps']:.0f} | {vs} | {r['pct_copy']:.0f} % |")
+                     f"{r['p50_us']:.1f} / {r['max_us']:.1f} | {r['gbps']:.0f} | {vs('')} | {r['pct_copy']:.0f} % | "
+                     f"{r['b2b_p50_us']:.1f} | {r['b2b_gbps']:.0f} | {vs('b2b_')} | {r['b2b_pct_copy']:.0f} % |")
     t = result["targets"]
     judged = t.get("judged", True)
     ok = lambda b: ("met" if b else "NOT met") if judged else "not judged"  # noqa: E731
-    lines += ["", f"Targets: aligned_fused ≤ 1.1× plain BF16 SwiGLU: {t['fused_vs_plain']:.2f}× "
-              f"({ok(t['fused_vs_plain_ok'])}); ≥ 80 % of copy bandwidth: {t['fused_pct_copy']:.0f} % "
-              f"({ok(t['fused_pct_copy_ok'])})."]
+    lines.append("")
+    for pre, how in (("", "one call per replay"), ("b2b_", f"{b2b} calls back to back")):
+        lines.append(f"Targets ({how}): aligned_fused ≤ 1.1× plain BF16 SwiGLU: {t[pre + 'fused_vs_plain']:.2f}× "
+                     f"({ok(t[pre + 'fused_vs_plain_ok'])}); ≥ 80 % of copy bandwidth: "
+                     f"{t[pre + 'fused_pct_copy']:.0f} % ({ok(t[pre + 'fused_pct_copy_ok'])}).")
     if not judged:
         lines.append(f"The targets are stated at {TARGET_TOKENS} tokens; at {result['tokens']} the kernels are "
                      "launch-bound and the ratios say little.")

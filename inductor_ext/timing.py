@@ -2,7 +2,10 @@
 
 The method of the background measurements (forward replay, 50 samples after warm-up), so the
 figures are comparable. Warm-up runs eagerly on a side stream first, so Triton autotuning and
-lazy initialisation happen before capture.
+lazy initialisation happen before capture. A replay of one call includes the graph's launch and
+the kernel's ramp-up and tail (5-10 µs on the H200); for kernels of a few tens of µs,
+``calls > 1`` captures that many calls back to back and reports the time per call, the cost a
+kernel has between its neighbours in a real step.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import torch
 __all__ = ["capture", "replay_times_us", "summarize", "replay_stats"]
 
 
-def capture(fn: Callable[[], object], warmup: int = 3) -> torch.cuda.CUDAGraph:
-    """Run ``fn`` ``warmup`` times on a side stream, then capture one call into a CUDA graph."""
+def capture(fn: Callable[[], object], warmup: int = 3, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """Run ``fn`` ``warmup`` times on a side stream, then capture ``calls`` calls into a CUDA graph."""
+    if calls < 1:
+        raise ValueError(f"capture: calls must be >= 1, got {calls}")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -25,7 +30,8 @@ def capture(fn: Callable[[], object], warmup: int = 3) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     return graph
 
 
@@ -49,6 +55,8 @@ def summarize(times_us: list[float]) -> dict[str, float]:
     return {"p50_us": statistics.median(times_us), "max_us": max(times_us), "samples": len(times_us)}
 
 
-def replay_stats(fn: Callable[[], object], samples: int = 50, warmup: int = 3) -> dict[str, float]:
-    """:func:`capture` ``fn`` (``warmup`` eager calls first), then :func:`summarize` ``samples`` replays."""
-    return summarize(replay_times_us(capture(fn, warmup=warmup), samples=samples))
+def replay_stats(fn: Callable[[], object], samples: int = 50, warmup: int = 3, calls: int = 1) -> dict[str, float]:
+    """:func:`capture` ``calls`` calls of ``fn`` (``warmup`` eager calls first), then :func:`summarize`
+    ``samples`` replays, each divided by ``calls``."""
+    times = replay_times_us(capture(fn, warmup=warmup, calls=calls), samples=samples)
+    return summarize([t / calls for t in times])

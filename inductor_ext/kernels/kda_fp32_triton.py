@@ -409,7 +409,8 @@ def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
-                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4), split_output: bool = False):
+                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4), chunk_maxnreg: int | None = 168,
+                 split_output: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16, g ``[B,T,H,K]`` FP32, beta ``[B,T,H]``,
@@ -419,6 +420,8 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     columns per state-pass program) and ``warps`` (chunk kernel, state kernel). On the H200 (triton
     3.6) 8 warps in the chunk kernel fault with an illegal memory access at T=2048, H=64 (two
     warpgroups on M=64 tf32x3 dots, n8 wgmma); 4 warps run (see ``notes/kda-fp32-kernels.md``).
+    ``chunk_maxnreg`` caps the chunk kernel's registers per thread (None: ptxas' choice, 255 with
+    spills): 168 measured fastest on the H200 (T=16384, H=64: 7.0 vs 8.5 ms; 128: 7.6; 192: 9.0).
     ``split_output``: the state pass only carries the state (two dots per chunk on its sequential
     path instead of four) and stores each chunk's entering state and v_new (FP32, 1.6 GB at
     T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
@@ -454,7 +457,8 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     if n_slots > 0 and H > 0:
         _chunk_kernel[(n_slots, H)](
             q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, float(scale),
-            H=H, K=K, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0])
+            H=H, K=K, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0],
+            maxnreg=chunk_maxnreg)
     HS = torch.empty(max(n_slots, 1), H, BK, BV, **f32) if split_output else final
     VN = torch.empty_like(U) if split_output else final
     if N > 0 and H > 0:
