@@ -129,6 +129,7 @@ def bench_moe_act(tokens=8192, hidden=4096, inter=2048, samples=50, progress=Non
                           in_bytes + fp8_bytes(tokens * hidden)))
 
     rows = []
+    timing.spin(lambda: dst.copy_(gate_up))
     for group, items in (("activation", variants), ("expert_input", expert_in)):
         for name, what, fn, nbytes in items:
             if progress:

@@ -11,11 +11,12 @@ kernel has between its neighbours in a real step.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["capture", "replay_times_us", "summarize", "replay_stats"]
+__all__ = ["capture", "replay_times_us", "summarize", "replay_stats", "spin"]
 
 
 def capture(fn: Callable[[], object], warmup: int = 3, calls: int = 1) -> torch.cuda.CUDAGraph:
@@ -60,3 +61,14 @@ def replay_stats(fn: Callable[[], object], samples: int = 50, warmup: int = 3, c
     ``samples`` replays, each divided by ``calls``."""
     times = replay_times_us(capture(fn, warmup=warmup, calls=calls), samples=samples)
     return summarize([t / calls for t in times])
+
+
+def spin(fn: Callable[[], object], seconds: float = 0.3) -> None:
+    """Call ``fn`` for about ``seconds`` of wall time, so that the GPU's clocks have ramped up
+    before the first timed replay (the H200, idle before: a bench's first row, a copy, ran in
+    52 µs instead of 38)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
