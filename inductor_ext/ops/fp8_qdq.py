@@ -45,17 +45,16 @@ def validate_fp8_qdq_inputs(x, scale_fmt) -> None:
 
 
 def pow2_ceil(r: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2 r) for positive normal FP32 r, exactly, from the bit pattern."""
-    bits = r.view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exponent << 23).view(torch.float32)
+    """2^ceil(log2 r) for positive normal FP32 r (inf for r above 2^127 and for inf), exactly, from
+    the bit pattern: adding 2^23 − 1 carries into the exponent unless the mantissa is zero."""
+    return ((r.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def pow2_reciprocal(s: torch.Tensor) -> torch.Tensor:
     """1/s for a power of two s in [2^-126, 2^126] (every ue8m0 scale of a finite input), exactly,
-    from the bit pattern: ``a · (1/s)`` is then bitwise ``a / s`` at the cost of a multiply."""
-    return ((254 << 23) - s.view(torch.int32)).view(torch.float32)
+    from the bit pattern: ``a · (1/s)`` is then bitwise ``a / s`` at the cost of a multiply.
+    0 for s >= 2^127, inf and positive NaN."""
+    return ((254 << 23) - s.view(torch.int32)).clamp_min(0).view(torch.float32)
 
 
 def e4m3_cast(v: torch.Tensor) -> torch.Tensor:
@@ -67,16 +66,15 @@ def scaled_quotient(a: torch.Tensor, amax: torch.Tensor, scale_fmt: str) -> tupl
     """``(s, a / s)`` for groups ``a [..., G, 128]`` with floored ``amax [..., G, 1]``, FP32.
 
     ``ue8m0``: ``a · (1/s)``, bitwise ``a / s`` for a power of two. A non-finite amax keeps its
-    value as the scale, and its reciprocal is 0 (inf) or NaN, so such a group's quotient is 0 or
-    NaN and its output ``q · s`` NaN; the bit tricks of :func:`pow2_ceil` would turn NaN into −0.
+    value as the scale (inf from :func:`pow2_ceil`, NaN by a select) and 1/s is 0, so such a
+    group's quotient is 0 or NaN and its output ``q · s`` NaN.
     Both formats give ``|a / s| <= 448·(1 + 2⁻²²)`` (s is ``amax/448`` or above it), which
     e4m3 rounds to 448: the contract's clamp is a no-op that a fused kernel may skip."""
     ratio = amax / FP8_MAX
     if scale_fmt != "ue8m0":
         return ratio, a / ratio
-    finite = ratio.isfinite()
-    s = torch.where(finite, pow2_ceil(ratio), ratio)
-    return s, a * torch.where(finite, pow2_reciprocal(s), 1.0 / s)
+    s = torch.where(ratio.isnan(), ratio, pow2_ceil(ratio))
+    return s, a * pow2_reciprocal(s)
 
 
 def fp8_qdq_reference(x, scale_fmt):
