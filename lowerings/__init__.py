@@ -7,10 +7,11 @@ decomposition table, which AOTAutograd applies only when the backend is ``"induc
 and ``aot_eager`` therefore keep the reference kernels, and Inductor fuses the decomposed work
 into the kernels around it. The ops' ``register_autograd`` backward formulas are plain torch,
 so their backward graphs are ATen ops already and fuse the same way. Every rounding point of a
-contract is kept by :mod:`lowerings._rounding` (BF16 / FP16 through ``glm53::round_to``, lowered
-to a hardware conversion inside the fused kernel; e4m3 on the integer bits), which fusion cannot
-elide. The ops that must stay opaque (KDA chunk, the KPool scorer) carry layout tags on their
-``torch.library.custom_op`` definitions instead.
+contract is kept by :mod:`lowerings._rounding` (BF16, FP16 and e4m3 through ``glm53::round_to``,
+lowered to a hardware conversion inside the fused kernel), which fusion cannot elide; its clamps
+are compare-and-select, which keeps NaN without an extra test. The ops that must stay opaque
+(KDA chunk, the KPool scorer) carry layout tags on their ``torch.library.custom_op`` definitions
+instead.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from its CSE cache; Triton's ``to_dtype`` to BF16 is an FP32 cast), unless the g
 ``emulate_precision_casts`` is on. The contracts of ``shared/DESIGN.md`` §4 round at given
 places, so the decompositions round through ``glm53::round_to`` (``inductor_ext/ops/round_to.py``),
 lowered to the hardware conversion and back inside the fused kernel: BF16 / FP16, and e4m3
-(Triton's ``cvt.rn.satfinite.e4m3x2``; no float8 tensor appears in the graph, so the
-kernel is not split at a float8 cast as Inductor split it on the H200 in session 3).
+(Triton's ``cvt.rn.satfinite.e4m3x2``; no float8 tensor appears in the graph, and on the
+H200 the aligned SwiGLU + FP8 QDQ stays one kernel with it).
 
 - :func:`exact` on every input: the FP32 value the reference kernel reads (``x.float()``), even
   where the producer's own BF16 rounding was fused away. An identity on a materialized tensor.
@@ -16,8 +16,8 @@ kernel is not split at a float8 cast as Inductor split it on the H200 in session
   it still reads the rounded value.
 - :func:`clamp_select`: ``clamp`` as compare-and-select. Inductor's ``minimum`` / ``maximum``
   add a NaN test to each compare; these clamps keep NaN by construction (every compare with
-  NaN is false), one instruction cheaper each. The per-element clamps of the fused SwiGLU +
-  FP8 QDQ kernel made it instruction-bound on the H200.
+  NaN is false); Triton compiles them to one ``min.NaN`` / ``max.NaN`` each. On the H200 the
+  NaN-tested clamps were the largest per-element cost of the fused SwiGLU + FP8 QDQ kernel.
 
 A decomposition must cover every input it is given: Inductor refuses to keep an op opaque once it
 has a decomposition.
