@@ -12,7 +12,10 @@ are compare-and-select (:func:`~lowerings._rounding.clamp_select`, bitwise ``cla
 
 Bitwise equality with the reference then rests on ``exp`` alone: Inductor's C++ kernels call the
 same SLEEF ``expf`` (1-ULP) as ATen's vectorised loop, and the BF16 rounding after it hides most
-last-bit differences; tests state what remains. The backward formulas (``register_autograd``)
+last-bit differences; tests state what remains. On CUDA the serving form takes the serving
+engine's ``exp`` instead (:func:`serving_exp`): bitwise LMDeploy's activation, one instruction
+pair instead of libdevice's ``expf``, and at most 1 BF16 ULP from the eager reference (ATen's
+``expf``) on a few elements per million. The backward formulas (``register_autograd``)
 are plain torch and fuse likewise.
 """
 
@@ -22,7 +25,17 @@ import torch
 
 from lowerings._rounding import clamp_select, exact, store
 
-__all__ = ["swiglu_decomposition", "DECOMPOSITIONS"]
+__all__ = ["serving_exp", "swiglu_decomposition", "DECOMPOSITIONS"]
+
+LOG2E = 1.4426950408889634
+
+
+def serving_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp`` as LMDeploy's ``v4_swiglu_quant`` evaluates it on NVIDIA GPUs: Triton's
+    ``tl.math.exp``, i.e. ``ex2.approx.f32(x · fp32(log2 e))``. Inductor lowers ``exp2`` to
+    libdevice ``exp2f``, the same multiply and ``ex2.approx.ftz``; the flush to zero changes nothing
+    here, since the SwiGLU's argument ``−min(g, L) >= −L`` keeps every input and result normal."""
+    return torch.exp2(x * LOG2E)
 
 
 def swiglu_decomposition(gate, up, limit, mode):
@@ -31,7 +44,8 @@ def swiglu_decomposition(gate, up, limit, mode):
     g = clamp_select(exact(gate), None, limit)
     u = clamp_select(exact(up), -limit, limit)
     if mode == "serving":
-        return store(g / (1.0 + torch.exp(-g)) * u, dtype)
+        exp = serving_exp if gate.device.type == "cuda" else torch.exp
+        return store(g / (1.0 + exp(-g)) * u, dtype)
     silu = store(g / (1.0 + torch.exp(-g)), dtype).float()
     return store(silu * u, dtype)
 

@@ -9,6 +9,8 @@ Contract (``shared/DESIGN.md`` §4), L = ``limit`` (``swiglu_limit`` = 10 in GLM
   of autograd formulas transformers gets (``silu_backward`` and products in the input dtype).
 - ``mode="serving"``: the serving engine's fused activation, FP32 throughout with silu written as
   ``g / (1 + exp(−g))``, one rounding to the input dtype. Backward in FP32, one rounding per input.
+  Compiled by Inductor on CUDA, ``exp`` is the serving engine's own (``lowerings.swiglu.serving_exp``,
+  bitwise LMDeploy's activation); the eager kernel uses ATen's ``expf``.
 
 In both modes the clamps pass gradients where the input lies inside the closed interval (PyTorch's
 ``clamp`` convention), gradients are returned in the input dtype.
