@@ -24,10 +24,10 @@ descending score and, among equal scores, lower slot first.
 
 Cost per row: one read of the q_n visible scores (from L2 again for the sort keys and the rare tie
 pass); 11-18 bisection steps on continuous scores, 32 at most, each about 3 instructions per key
-row of a thread and one warp reduction (no barrier: one warp per row up to 4096 pools, 128 keys
-per thread; wider rows or KP > 512 take more warps); one scatter pass; a bitonic sort of KP keys
-(log2(KP)·(log2(KP)+1)/2 compare-exchange steps, a third to a half of the work at KP = 512); the
-write of ``topk + P - 1`` ids. Static shapes only, no host sync; S <= 2^21 pools.
+row of a thread and one block reduction (one warp per row up to 2048 pools; 4 warps from 2049 to
+8192, 32 keys per thread; one per 2048 resident pools beyond, and more when KP > 512); one scatter
+pass; a bitonic sort of KP keys (log2(KP)·(log2(KP)+1)/2 compare-exchange steps, 37 % of the
+kernel at KP = 512 on the H200); the write of ``topk + P - 1`` ids. Static shapes only, no host sync; S <= 2^21 pools.
 
 The CPU reference (``torch.topk``) leaves the order among equal scores unspecified: token sets
 agree unless the nsel-th and (nsel+1)-th best scores tie, and then both pick pools of the same
@@ -42,7 +42,8 @@ import triton.language as tl
 
 __all__ = ["kpool_select_fwd"]
 
-ONE_WARP = 4096  # up to 4096 pools per row: one warp, 128 register-resident keys per thread
+ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident keys per thread
+MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 1 warp 653 us, 2: 551, 4: 481, 8: 726)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
 MAX_REGS = 168  # 12 one-warp rows per SM instead of 8 at ptxas' 255 (spills stay out of the bisection)
 _NONE = tl.constexpr(-(2**31))  # key of slots past q_n (no score has it)
@@ -231,7 +232,7 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     scratch = torch.empty(M, KP, dtype=torch.int32, device=logits.device)
     BLOCK = min(max(32, triton.next_power_of_2(S)), MAX_BLOCK)
     levels = 2 if BLOCK // 2 > K and BLOCK >= 64 else 1  # resident blocks BLOCK (, BLOCK/2)
-    warps = min(32, max(1 if BLOCK <= ONE_WARP else BLOCK // 2048, KP // 512))  # <= 16 sort keys/thread
+    warps = min(32, max(1 if BLOCK <= ONE_WARP else max(MIN_WARPS_WIDE, BLOCK // 2048), KP // 512))
     pad = min(block, max(16, triton.next_power_of_2(W)))
     q_lo, q_n, tail_start, tail_len = (t.contiguous() for t in (q_lo, q_n, tail_start, tail_len))
     _kpool_select_kernel[(M,)](
