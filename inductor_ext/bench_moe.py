@@ -149,14 +149,17 @@ def bench_moe_act(tokens=8192, hidden=4096, inter=2048, samples=50, progress=Non
             r[pre + "pct_copy"] = 100 * r[pre + "gbps"] / copy[pre + "gbps"]
             r[pre + "vs_plain"] = r[pre + "p50_us"] / plain[pre + "p50_us"] if r["group"] == "activation" else None
     fused = by["aligned_fused"]
+    targets = {"judged": tokens == TARGET_TOKENS}
+    for pre in ("", "b2b_"):  # one call per replay, then back to back
+        targets[pre + "fused_vs_plain"] = fused[pre + "vs_plain"]
+        targets[pre + "fused_vs_plain_ok"] = fused[pre + "vs_plain"] <= 1.1
+        targets[pre + "fused_pct_copy"] = fused[pre + "pct_copy"]
+        targets[pre + "fused_pct_copy_ok"] = fused[pre + "pct_copy"] >= 80.0
     return {
         "tokens": tokens, "hidden": hidden, "inter": inter, "samples": samples, "limit": LIMIT,
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "lmdeploy_peer": lmd is not None, "copy_gbps": copy["gbps"], "back_to_back": BACK_TO_BACK, "rows": rows,
-        "targets": {"judged": tokens == TARGET_TOKENS,
-                    **{f"{pre}fused_{k}": fused[pre + k] for pre in ("", "b2b_") for k in ("vs_plain", "pct_copy")},
-                    **{f"{pre}fused_vs_plain_ok": fused[pre + "vs_plain"] <= 1.1 for pre in ("", "b2b_")},
-                    **{f"{pre}fused_pct_copy_ok": fused[pre + "pct_copy"] >= 80.0 for pre in ("", "b2b_")}},
+        "targets": targets,
         "bytes_note": "bytes counted at kernel boundaries, each tensor once: SwiGLU reads gate+up bf16 and writes "
                       "the bf16 output; unfused adds the intermediate's write+read; copy reads+writes gate_up; "
                       "e4m3 outputs 1 B/value + 4 B per 128-group scale",
