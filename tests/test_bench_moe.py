@@ -68,3 +68,10 @@ def test_format_judges_targets_only_at_8192_tokens():
     text = format_moe_act(result)
     assert "met" not in text.replace("not judged", ""), text
     assert "0.75× (not judged)" in text and "stated at 8192 tokens; at 2048" in text, text
+
+
+def test_capture_rejects_zero_calls():
+    from inductor_ext import timing
+
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        timing.capture(lambda: None, calls=0)
