@@ -255,6 +255,13 @@ def test_rejects_head_dims_above_128():
         kda_fp32_fwd(q, q, torch.zeros(1, 4, 1, 32), q, torch.zeros(1, 4, 1), 0.1, None, None)
 
 
+
+@pytest.mark.parametrize("maxnreg", [0, 16, 256])
+def test_rejects_a_register_cap_outside_32_to_255(maxnreg):
+    q = torch.zeros(1, 4, 1, 32)
+    with pytest.raises(ValueError, match="chunk_maxnreg must be None or 32..255"):
+        kda_fp32_fwd(q, q, q, q, torch.zeros(1, 4, 1), 0.1, None, None, chunk_maxnreg=maxnreg)
+
 # ---------------------------------------------------------------------------------------------
 # H200
 # ---------------------------------------------------------------------------------------------

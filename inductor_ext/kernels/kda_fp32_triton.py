@@ -409,8 +409,8 @@ def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
-                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4), chunk_maxnreg: int | None = 168,
-                 split_output: bool = False):
+                 block_k: int = 32, block_v: int = 32, warps: tuple[int, int] = (4, 4),
+                 chunk_maxnreg: int | None = 168, split_output: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16, g ``[B,T,H,K]`` FP32, beta ``[B,T,H]``,
@@ -434,6 +434,8 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     for name, blk in (("block_k", block_k), ("block_v", block_v)):
         if blk not in (16, 32, 64):
             raise ValueError(f"kda_fp32_fwd: {name} must be 16, 32 or 64, got {blk}")
+    if chunk_maxnreg is not None and not 32 <= chunk_maxnreg <= 255:
+        raise ValueError(f"kda_fp32_fwd: chunk_maxnreg must be None or 32..255 registers, got {chunk_maxnreg}")
     BKB, BVB, BVT = min(BK, block_k), min(BV, block_k), min(BV, block_v)
     if cu_seqlens is None:
         N = B

@@ -4,9 +4,9 @@ The rounding point of the Inductor decompositions (:mod:`lowerings._rounding`), 
 path of its own: ``round_to(x, dtype) == x.to(dtype).float()`` (round to nearest even; NaN stays
 NaN) for ``dtype`` in bfloat16, float16 and float8_e4m3fn (e4m3 only for ``|x| <= 464`` or NaN:
 beyond, the CPU cast gives NaN and the GPU's saturating conversion 448). Inductor fuses a plain
-``x.to(bfloat16).float()`` into one FP32 value (it drops the round trip), so the decompositions call this op instead: its
-Inductor lowering (:func:`lowerings._compat.register_rounding_lowering`) emits the hardware conversion and back
-*inside* the fused kernel, where no pass removes it.
+``x.to(bfloat16).float()`` into one FP32 value (it drops the round trip), so the decompositions
+call this op instead: its Inductor lowering (:func:`lowerings._compat.register_rounding_lowering`)
+emits the hardware conversion and back *inside* the fused kernel, where no pass removes it.
 """
 
 from __future__ import annotations
