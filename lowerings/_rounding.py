@@ -43,7 +43,8 @@ def round_to(xf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def clamp_select(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
-    """``x.clamp(lo, hi)`` bitwise (NaN and −0 kept) as ``where(x > hi, hi, where(x < lo, lo, x))``."""
+    """``x.clamp(lo, hi)`` bitwise (NaN and −0 kept) as ``where(x > hi, hi, where(x < lo, lo, x))``;
+    ``x`` a float tensor of any shape, the result in its dtype; None leaves that side open."""
     if lo is not None:
         x = torch.where(x < lo, lo, x)
     return x if hi is None else torch.where(x > hi, hi, x)

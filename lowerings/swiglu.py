@@ -31,8 +31,8 @@ LOG2E = 1.4426950408889634
 
 
 def serving_exp(x: torch.Tensor) -> torch.Tensor:
-    """``exp`` as LMDeploy's ``v4_swiglu_quant`` evaluates it on NVIDIA GPUs: Triton's
-    ``tl.math.exp``, i.e. ``ex2.approx.f32(x · fp32(log2 e))``. Inductor lowers ``exp2`` to
+    """FP32 ``x`` (any shape) → ``exp(x)`` in FP32 as LMDeploy's ``v4_swiglu_quant`` evaluates it on
+    NVIDIA GPUs: Triton's ``tl.math.exp``, i.e. ``ex2.approx.f32(x · fp32(log2 e))``. Inductor lowers ``exp2`` to
     libdevice ``exp2f``, the same multiply and ``ex2.approx.ftz``; the flush to zero changes nothing
     here, since the SwiGLU's argument ``−min(g, L) >= −L`` keeps every input and result normal."""
     return torch.exp2(x * LOG2E)
