@@ -2,31 +2,35 @@
 padded logits workspace (:func:`inductor_ext.workspace.logits_view`, the layout the fake returns).
 
 Contract: ``logit[m, s] = c_s · Σ_h w[m, h] · relu(q[m, h] · pool[s])`` with ``c_s = pool_scale[s]``
-(``"fp8"``) or ``128^-0.5`` (``"bf16"``; positive, so it moves out of the relu), within 1e-6
-relative of the FP32 reference. The dot runs on the tensor cores with exact products and FP32
-accumulation: FP8 e4m3 operands are widened exactly to FP16 (e4m3 ⊂ FP16) for an FP16 MMA. Hopper's
-FP8 MMA accumulates with ~14 mantissa bits (DeepSeek-V3 report) and cannot meet the contract; FP16
-rather than BF16 because sm_90 converts e4m3x2 → f16x2 in one instruction, while → bf16 adds two
-F2F per pair on the 16/clk/SM conversion pipe (as many cycles per head as the MMA takes). The head-weighted
-sum is FP32 CUDA-core math; scores differ from the reference only by FP32 summation order.
+(``"fp8"``) or ``128^-0.5`` (``"bf16"``; positive, so it moves out of the relu). The head-weighted
+sum is FP32 CUDA-core math; the dots run on the tensor cores:
+
+- ``"bf16"``: BF16 MMA, exact products, FP32 accumulation: within 1e-6 relative of the FP32
+  reference (only the summation order differs).
+- ``"fp8"``: e4m3 operands on the FP8 MMA, one chain of wgmma k32 steps over the 128 dims per head
+  into a fresh accumulator (``max_num_imprecise_acc=128``: no promotion inside a head's dot). That
+  is how the serving engines' scorer, DeepGEMM's SM90 ``fp8_mqa_logits``, accumulates: the FP8
+  tensor core keeps about 14 mantissa bits while it sums (DeepSeek-V3 report), so scores sit
+  about 1e-4 (relative L2) from the exact FP32 reference, far inside the normalized-error
+  contract of the FP8 path (DeepGEMM's ``calc_diff`` <= 5e-6; H200: 7.8e-9). Exact FP32 sums
+  would need the FP16 MMA on widened operands: measured on the H200 at half this kernel's speed
+  (33-36 % of ``torch._scaled_mm``'s rate against 68-73 %).
 
 Main kernel: one program = ``BQ=64`` tokens × ``BN=128`` pools, one warpgroup, a loop over the H
-heads. The pool tile is loaded and widened once and stays in shared memory as the MMA's B operand
-(MQA: all heads share it); per head, ``q[:, h]`` ``[BQ, 128]`` streams in through ``cp.async``
-(``NUM_STAGES`` deep), one ``[BQ,128]×[128,BN]`` wgmma runs, and ``w[:, h]·relu(s)`` is added to
-the FP32 accumulator in the MMA's register layout (one FMNMX + one FFMA per score, no cross-warp
-reduction). Bytes per FLOP: q is re-read once per pool block, ``bytes(q)/(2·BN)`` = 1/256 B for
-FP8 (~2.7 TB/s of L2 at 700 TFLOP/s; BF16 q twice that); the pool ``1/(2·BQ·H)`` and the FP32
-output ``4/(256·H)`` are negligible. Programs run pool-block-fastest, so those sharing a q tile are
-resident together and q comes from HBM once. Bounds: the 16-bit MMA (989 TFLOP/s dense, half the
-FP8 rate); the wgmma wait serialises MMA (~512 tensor cycles per head) and epilogue (~300 issue
-slots) inside a program, so it relies on the second program per SM (~220 registers) to fill the
-gaps; shared-memory bandwidth is nearly saturated too (wgmma B reads alone take 64 of 128 B/clk).
+heads. The pool tile is loaded once and stays in shared memory as the MMA's B operand (MQA: all
+heads share it); per head, ``q[:, h]`` ``[BQ, 128]`` streams in through ``cp.async``
+(``NUM_STAGES`` deep), one ``[BQ,128]×[128,BN]`` wgmma chain runs, and ``w[:, h]·relu(s)`` is added
+to the FP32 accumulator in the MMA's register layout (one FMNMX + one FFMA per score, no
+cross-warp reduction). Bytes per FLOP: q is re-read once per pool block, ``bytes(q)/(2·BN)`` =
+1/256 B for FP8 (BF16 twice that); the pool ``1/(2·BQ·H)`` and the FP32 output ``4/(256·H)`` are
+negligible. Programs run pool-block-fastest, so those sharing a q tile are resident together and
+q comes from HBM once. The wgmma wait serialises MMA and epilogue inside a program, so the kernel
+relies on the second program per SM to fill the gaps.
 
 Small grids (decode: a few query rows against many pools, or few tiles overall) run
 :func:`_kpool_logits_fold_kernel` instead: it folds ``128/H`` tokens × H heads into the 128 MMA
-rows and reduces over heads per pool block, wasting no MMA rows at tiny M. Both kernels use fixed
-configurations (no autotuning): capturable and deterministic.
+rows and reduces over heads per pool block, wasting no MMA rows at tiny M; its dots accumulate the
+same way. Both kernels use fixed configurations (no autotuning): capturable and deterministic.
 """
 
 from __future__ import annotations
@@ -41,11 +45,19 @@ __all__ = ["kpool_logits_fwd"]
 _BQ = 64  # query tokens per program: the M of one warpgroup's wgmma
 _BN = 128  # pools per program: the wgmma N; sets q's L2 bytes per FLOP, 1 / (2·BN) per q byte
 _NUM_WARPS = 4  # one warpgroup; two programs per SM overlap one's MMA with the other's epilogue
-_NUM_STAGES = 4  # q tiles in flight: 57 KB (FP8) / 99 KB (BF16) of shared memory per program
+_NUM_STAGES = 4  # q tiles in flight (8 KB FP8 / 16 KB BF16 each) beside the pool tile (16 / 32 KB)
 # head loop only when it fills the tile rows and the GPU reasonably; else the head-folding kernel
 _LOOP_MIN_ROWS = 32
 _LOOP_MIN_PROGRAMS = 32
 _FOLD_TARGET_PROGRAMS = 4 * 132  # H200: 132 SMs; split the pool axis only when token tiles are few
+
+
+@triton.jit
+def _dot(a, b, FP8: tl.constexpr):
+    """FP32 ``a @ b`` over K = 128; FP8: one imprecise chain, as DeepGEMM (module docstring)."""
+    if FP8:
+        return tl.dot(a, b, max_num_imprecise_acc=128)
+    return tl.dot(a, b)
 
 
 @triton.jit
@@ -62,8 +74,6 @@ def _kpool_logits_kernel(
     col_ok = cols < S
     d = tl.arange(0, 128)
     k = tl.load(pool_ptr + cols[:, None] * 128 + d[None, :], mask=col_ok[:, None], other=0.0)
-    if FP8:
-        k = k.to(tl.float16)  # exact; see the module docstring
     kt = tl.trans(k)  # [128, BN]: the loop-invariant B operand, in shared memory
     q_rows = q_ptr + tok[:, None].to(tl.int64) * stride_qm + d[None, :]
     w_rows = w_ptr + tok.to(tl.int64) * stride_wm
@@ -71,9 +81,7 @@ def _kpool_logits_kernel(
     for h in tl.range(0, H, num_stages=NUM_STAGES):
         qh = tl.load(q_rows + h * stride_qh, mask=tok_ok[:, None], other=0.0)
         wh = tl.load(w_rows + h, mask=tok_ok, other=0.0)
-        if FP8:
-            qh = qh.to(tl.float16)
-        s = tl.dot(qh, kt)  # [BQ, BN] fp32
+        s = _dot(qh, kt, FP8)  # [BQ, BN] fp32
         acc += tl.maximum(s, 0.0) * wh[:, None]
     if FP8:
         acc *= tl.load(pool_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -100,16 +108,12 @@ def _kpool_logits_fold_kernel(
     q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qm + head[:, None] * stride_qh + d[None, :],
                 mask=ok[:, None], other=0.0)
     w = tl.load(w_ptr + tok * stride_wm + head, mask=ok, other=0.0)
-    if FP8:
-        q = q.to(tl.float16)  # exact widening; see the module docstring
     out_tok = pid_m * BM + tl.arange(0, BM)
     for i in range(n_iters):
         cols = (pid_n + i * n_split) * BLOCK_N + tl.arange(0, BLOCK_N)
         cok = cols < S
         kt = tl.load(pool_ptr + cols[None, :] * 128 + d[:, None], mask=cok[None, :], other=0.0)
-        if FP8:
-            kt = kt.to(tl.float16)
-        s = tl.dot(q, kt)  # [R, BLOCK_N] fp32
+        s = _dot(q, kt, FP8)  # [R, BLOCK_N] fp32
         if not FP8:
             s = s * 0.08838834764831845
         s = tl.maximum(s, 0.0) * w[:, None]

@@ -25,10 +25,12 @@ descending score and, among equal scores, lower slot first.
 Cost per row: one read of the q_n visible scores (from L2 again for the sort keys and the rare tie
 pass); 11-18 bisection steps on continuous scores, 32 at most, each about 3 instructions per key
 row of a thread and one block reduction (one warp per row up to 2048 pools; 4 warps from 2049 to
-8192, 32 keys per thread; one per 2048 resident pools beyond, and more when KP > 512); one scatter
+8192, 32-64 keys per thread; one per 2048 resident pools beyond, and more when KP > 512); one scatter
 pass; a bitonic sort of KP keys (log2(KP)·(log2(KP)+1)/2 compare-exchange steps: on the H200 at
-KP = 512 and 4096 pools, 28 % of the kernel at 4 warps, 37 % at one); the write of
-``topk + P - 1`` ids. Static shapes only, no host sync; S <= 2^21 pools.
+KP = 512 and 4096 pools, 35 % of the kernel at 4 warps, 37 % at one); the write of
+``topk + P - 1`` ids. A row is a chain of dependent steps, so the kernel is latency-bound: the
+register cap (:func:`_register_cap`) sets how many rows share an SM (H200, 4096 pools: 481 µs at
+168 registers, 387 µs at 56). Static shapes only, no host sync; S <= 2^21 pools.
 
 The CPU reference (``torch.topk``) leaves the order among equal scores unspecified: token sets
 agree unless the nsel-th and (nsel+1)-th best scores tie, and then both pick pools of the same
@@ -46,7 +48,9 @@ __all__ = ["kpool_select_fwd"]
 ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident keys per thread
 MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 1 warp 653 us, 2: 551, 4: 481, 8: 726)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
-MAX_REGS = 168  # 12 one-warp rows per SM instead of 8 at ptxas' 255 (spills stay out of the bisection)
+ONE_WARP_REGS = 128  # H200, 2048 pools: 164 us at 128 registers per thread, 188 at 168, 172-181 at 80-104
+REG_HEADROOM = 24  # wider rows: registers = resident keys per thread + 24 (H200: 4096 pools, 4 warps: 481 us
+# at 168 registers, 387 at 56; 8192 pools, 4 warps: 1751 us at 168, 1313 at 88, 1301-1303 at 80 and 96)
 _NONE = tl.constexpr(-(2**31))  # key of slots past q_n (no score has it)
 _I32_MAX = tl.constexpr(2**31 - 1)
 _SLOTS = tl.constexpr(2**21)  # sort keys: exact float64 integers key·2^21 + 2^21-1-slot
@@ -208,6 +212,16 @@ def _kpool_select_kernel(
         tl.store(orow + col, tl.full((PAD,), -1, tl.int32), mask=pad)
 
 
+def _register_cap(block: int, kp: int, warps: int) -> int:
+    """Registers per thread: few enough for many rows per SM (each row is a chain of dependent
+    reductions, so rows in flight hide its latency), enough for the resident keys (int32) and
+    the sort keys (float64) without spills."""
+    if warps == 1:
+        return ONE_WARP_REGS
+    lanes = 32 * warps
+    return min(255, max(block // lanes, 2 * kp // lanes) + REG_HEADROOM)
+
+
 def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_size: int, tail: str,
                      block: int = 256):
     """Selected token ids int32 ``[M, topk + P - 1]`` (see :func:`inductor_ext.ops.kpool.kpool_select`).
@@ -241,5 +255,5 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
         W, K, topk, P=P, PP=triton.next_power_of_2(P), TP=triton.next_power_of_2(max(P - 1, 1)), KP=KP,
         COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK,
         CHUNK=min(BLOCK, 512 * warps), LANES=32 * warps, PAD=pad, PAD_CHUNKS=triton.cdiv(W, pad),
-        num_warps=warps, maxnreg=min(MAX_REGS, 65536 // (32 * warps)))
+        num_warps=warps, maxnreg=_register_cap(BLOCK, KP, warps))
     return out

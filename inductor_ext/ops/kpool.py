@@ -282,7 +282,10 @@ def kpool_logits(q, w, pool, pool_scale, *, precision, layout="compact"):
         w: ``[M, H]`` fp32 head weights (``"fp8"``: the folded ``w_eff``).
         pool: ``[S, 128]`` bf16 or float8_e4m3fn (same precision as q); pool_scale ``[S]`` fp32.
         precision: ``"bf16"``: score = Σ_h w·relu(q·pool·128^-0.5); ``"fp8"``:
-            score = scale[p]·Σ_h w_eff·relu(q8·k8). FP32 accumulation.
+            score = scale[p]·Σ_h w_eff·relu(q8·k8). FP32 accumulation of exact products (the CPU
+            kernel); on CUDA the FP8 dots accumulate on the FP8 tensor cores as the serving
+            scorer (DeepGEMM ``fp8_mqa_logits``) does, ~1e-4 relative from the FP32 sums
+            (:mod:`inductor_ext.kernels.kpool_score_triton`).
         layout: ``"compact"`` | ``"legacy"``: the padded workspace layout (:mod:`inductor_ext.workspace`).
 
     Returns:
