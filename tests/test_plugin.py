@@ -74,7 +74,7 @@ def test_enable_keeps_one_qdq_group_reduction_persistent(monkeypatch):
     from lowerings import _compat
 
     inductor_ext.enable()
-    assert type(V.choices).MAX_NUMEL == 128 and V.choices.uuid() == "glm53-persistent-reductions-128"
+    assert type(V.choices).MAX_NUMEL == 128 and V.choices.uuid() == "glm53-persistent-reductions-128-xblock-8"
     if hasattr(inductor_config, "inductor_choices_class"):
         assert inductor_config.inductor_choices_class is type(V.choices)
     # Inductor's own test says no (as for the DEFAULT hint above 64 elements): ours overrides it up to 128
@@ -88,8 +88,20 @@ def test_enable_keeps_one_qdq_group_reduction_persistent(monkeypatch):
     assert decide(Features(sympy.Integer(128)), False) and decide(Features(64), False)
     assert not decide(Features(sympy.Integer(129)), False)
     assert not decide(Features(sympy.Symbol("s0", positive=True)), False)  # dynamic: Inductor decides
+    # ... launched with XBLOCK 8 (4 warps), not an autotuned tile
+    from torch._inductor.codegen.cpp import CppKernel
+    from torch._inductor.codegen.triton import FixedTritonConfig, TritonKernel
+
+    def fixed(numel, kernel_cls=TritonKernel, **kwargs):
+        cfg = V.choices.triton_kernel_kwargs(kernel_cls, Features(numel), [], kwargs).get("fixed_config")
+        return None if cfg is None else cfg.config
+
+    assert fixed(sympy.Integer(128)) == fixed(2) == {"XBLOCK": 8}
+    assert fixed(129) is fixed(1) is fixed(sympy.Symbol("s0", positive=True)) is None  # large, pointwise, dynamic
+    assert fixed(128, kernel_cls=CppKernel) is None and fixed(128, override_persistent_reduction=False) is None
+    assert fixed(128, fixed_config=FixedTritonConfig({"XBLOCK": 2})) == {"XBLOCK": 2}  # someone else's stays
     monkeypatch.setattr(inductor_config.triton, "persistent_reductions", False)
-    assert not decide(Features(128), False)
+    assert not decide(Features(128), False) and fixed(128) is None
     # someone else's choices class is left alone
     if hasattr(inductor_config, "inductor_choices_class"):
         monkeypatch.setattr(inductor_config, "inductor_choices_class", InductorChoices)
