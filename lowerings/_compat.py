@@ -87,7 +87,7 @@ _log = logging.getLogger(__name__)
 
 
 SMALL_REDUCTION_XBLOCK = 8
-"""Rows per program of a persistent reduction of at most 128 elements (Triton's default 4 warps).
+"""Rows per program of a persistent reduction of 65-128 elements (Triton's default 4 warps).
 
 H200, the fused SwiGLU + FP8 QDQ kernel at 8192 x 2048, 10 launches back to back per graph replay
 (plain BF16 SwiGLU: 25.5 us): Inductor's autotuner picks XBLOCK 32 with 2 warps, 28.5 us; XBLOCK 8
@@ -108,14 +108,22 @@ def _persistent_choices(max_numel: int):
     from torch._inductor.choices import InductorChoices
     from torch._inductor.codegen.triton import FixedTritonConfig, TritonKernel
 
-    def small(features) -> bool:
+    def small(features, lowest: int = 2) -> bool:
         numel = _static_numel(features.reduction_numel)  # 1 for pointwise kernels
-        return numel is not None and 1 < numel <= max_numel and bool(inductor_config.triton.persistent_reductions)
+        return (numel is not None and lowest <= numel <= max_numel
+                and bool(inductor_config.triton.persistent_reductions))
+
+    def rows_by_groups(groups) -> bool:
+        """One row dimension and one reduction dimension: 2.13 passes ``[{"x": .., "r0_": ..}]``."""
+        if len(groups) == 1 and isinstance(groups[0], dict):
+            return set(groups[0]) <= {"x", "r0_"}
+        return len(groups) == 2
 
     class PersistentSmallReductions(InductorChoices):
         """Inductor's choices, except that reductions of at most ``MAX_NUMEL`` elements stay
-        persistent (one pass over registers) whatever their reduction hint, with
-        ``SMALL_REDUCTION_XBLOCK`` rows per program instead of an autotuned tile."""
+        persistent (one pass over registers) whatever their reduction hint; rows of
+        ``MAX_NUMEL/2`` to ``MAX_NUMEL`` elements run ``SMALL_REDUCTION_XBLOCK`` per program instead
+        of an autotuned tile."""
 
         MAX_NUMEL = max_numel
 
@@ -127,7 +135,9 @@ def _persistent_choices(max_numel: int):
 
         def triton_kernel_kwargs(self, kernel_cls, features, groups, kernel_kwargs):
             kwargs = super().triton_kernel_kwargs(kernel_cls, features, groups, kernel_kwargs)
-            if (not issubclass(kernel_cls, TritonKernel) or "fixed_config" in kwargs or not small(features)
+            # the measured tile: rows of 65-128 elements (one R0_BLOCK of 128), no y dimension
+            if (not issubclass(kernel_cls, TritonKernel) or "fixed_config" in kwargs
+                    or not small(features, lowest=max_numel // 2 + 1) or not rows_by_groups(groups)
                     or kwargs.get("override_persistent_reduction") is False):
                 return kwargs
             return {**kwargs, "fixed_config": FixedTritonConfig({"XBLOCK": SMALL_REDUCTION_XBLOCK})}
@@ -149,8 +159,9 @@ def _warn_foreign_choices() -> None:
 
 
 def install_persistent_reductions(max_numel: int) -> bool:
-    """Make Inductor keep reductions of at most ``max_numel`` elements persistent, launched with
-    ``SMALL_REDUCTION_XBLOCK`` rows per program (no autotuning); idempotent.
+    """Make Inductor keep reductions of at most ``max_numel`` elements persistent, those longer
+    than ``max_numel/2`` launched with ``SMALL_REDUCTION_XBLOCK`` rows per program (no
+    autotuning); idempotent.
     Returns False (and logs once) when a user's own ``inductor_choices_class`` is in place: that
     one is left alone.
 

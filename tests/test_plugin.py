@@ -92,12 +92,13 @@ def test_enable_keeps_one_qdq_group_reduction_persistent(monkeypatch):
     from torch._inductor.codegen.cpp import CppKernel
     from torch._inductor.codegen.triton import FixedTritonConfig, TritonKernel
 
-    def fixed(numel, kernel_cls=TritonKernel, **kwargs):
-        cfg = V.choices.triton_kernel_kwargs(kernel_cls, Features(numel), [], kwargs).get("fixed_config")
+    def fixed(numel, kernel_cls=TritonKernel, groups=({"x": 8192, "r0_": 128},), **kwargs):
+        cfg = V.choices.triton_kernel_kwargs(kernel_cls, Features(numel), list(groups), kwargs).get("fixed_config")
         return None if cfg is None else cfg.config
 
-    assert fixed(sympy.Integer(128)) == fixed(2) == {"XBLOCK": 8}
-    assert fixed(129) is fixed(1) is fixed(sympy.Symbol("s0", positive=True)) is None  # large, pointwise, dynamic
+    assert fixed(sympy.Integer(128)) == fixed(65) == fixed(128, groups=(8192, 128)) == {"XBLOCK": 8}
+    assert fixed(129) is fixed(64) is fixed(1) is fixed(sympy.Symbol("s0", positive=True)) is None
+    assert fixed(128, groups=({"x": 64, "y": 128, "r0_": 128},)) is None  # a tiled reduction keeps autotuning
     assert fixed(128, kernel_cls=CppKernel) is None and fixed(128, override_persistent_reduction=False) is None
     assert fixed(128, fixed_config=FixedTritonConfig({"XBLOCK": 2})) == {"XBLOCK": 2}  # someone else's stays
     monkeypatch.setattr(inductor_config.triton, "persistent_reductions", False)
