@@ -3,8 +3,8 @@
 The ops register themselves with ``torch.library`` on import; ``enable()`` adds what must touch
 Inductor's global state, and only when the user asks: the decompositions of :mod:`lowerings` into
 Inductor's table (so the cheap ops fuse), an ``InductorChoices`` that keeps reductions of one FP8
-QDQ group (128 elements) persistent (:func:`lowerings._compat.install_persistent_reductions`),
-and a post-grad ``CustomGraphPass`` whose
+QDQ group (128 elements) persistent and launches them with a fixed, measured tile
+(:func:`lowerings._compat.install_persistent_reductions`), and a post-grad ``CustomGraphPass`` whose
 ``uuid()`` hashes this package's version and source files, so Inductor's caches never reuse an
 artifact compiled by another version of the plugin (the precision itself is a literal in the graph
 and already part of every cache key).
