@@ -14,7 +14,7 @@ import torch
 from inductor_ext import timing
 from inductor_ext.ops import kpool as kp
 
-__all__ = ["bench_kpool", "scaled_mm_tflops", "format_kpool"]
+__all__ = ["bench_kpool", "scaled_mm_tflops", "format_kpool", "kpool_targets"]
 
 HIDDEN, Q_RANK, DIM, POOL = 4096, 1536, 128, 4
 
@@ -39,7 +39,8 @@ def _weights(heads, gen):
 
 
 def bench_kpool(tokens=16384, heads=(32, 64, 128), topk=2048, samples=50, warmup=3, progress=None) -> dict:
-    """Per-stage and total replay timing; returns ``{"rows": [...], "scaled_mm_tflops": ...}``."""
+    """Per-stage and total replay timing; returns ``{"rows": [...], "scaled_mm_tflops": ...,
+    "targets": kpool_targets(...)}``."""
     if not torch.cuda.is_available():
         raise ValueError("bench kpool needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -90,7 +91,28 @@ def bench_kpool(tokens=16384, heads=(32, 64, 128), topk=2048, samples=50, warmup
                 progress(f"kpool H={H} {prec}: " + ", ".join(
                     f"{n} {row[n]['p50_us']:.0f}" for n in stages) + f" us p50; score {row['score_tflops']:.0f} TFLOP/s")
             torch.cuda.empty_cache()
-    return {"scaled_mm_tflops": peak, "rows": rows}
+    result = {"scaled_mm_tflops": peak, "rows": rows}
+    result["targets"] = kpool_targets(result)
+    return result
+
+
+SCORER_FRACTION_TARGET = 0.50  # issue 3: the FP8 scorer at >= 50 % of the FP8 matmul rate
+SELECT_OVER_SCORE_TARGET = 0.25  # issue 3: selection + expansion <= 25 % of scoring time
+
+
+def kpool_targets(result: dict) -> list[dict]:
+    """Issue 3's speed targets per row of :func:`bench_kpool`: ``{"heads", "precision", "target",
+    "value", "met"}`` for the scorer rate (FP8 rows only) and the selection share (every row)."""
+    out = []
+    for r in result["rows"]:
+        if r["precision"] == "fp8":
+            value = r["score_fraction_of_scaled_mm"]
+            out.append({"heads": r["heads"], "precision": "fp8", "target": "score >= 0.50 of scaled_mm",
+                        "value": value, "met": value >= SCORER_FRACTION_TARGET})
+        value = r["select_over_score"]
+        out.append({"heads": r["heads"], "precision": r["precision"], "target": "select <= 0.25 of score",
+                    "value": value, "met": value <= SELECT_OVER_SCORE_TARGET})
+    return out
 
 
 def format_kpool(result: dict) -> str:
@@ -104,4 +126,7 @@ def format_kpool(result: dict) -> str:
                      f" | {r['score_tflops']:.0f} ({100 * r['score_fraction_of_scaled_mm']:.0f} %) | "
                      f"{r['select_over_score']:.2f} |")
     lines.append(f"\nFP8 torch._scaled_mm 8192³: {result['scaled_mm_tflops']:.0f} TFLOP/s")
+    for t in kpool_targets(result):
+        lines.append(f"Target {t['target']}, H={t['heads']} {t['precision']}: {t['value']:.2f} "
+                     f"({'met' if t['met'] else 'NOT met'})")
     return "\n".join(lines)

@@ -121,9 +121,8 @@ def _persistent_choices(max_numel: int):
 
     class PersistentSmallReductions(InductorChoices):
         """Inductor's choices, except that reductions of at most ``MAX_NUMEL`` elements stay
-        persistent (one pass over registers) whatever their reduction hint; rows of
-        ``MAX_NUMEL/2`` to ``MAX_NUMEL`` elements run ``SMALL_REDUCTION_XBLOCK`` per program instead
-        of an autotuned tile."""
+        persistent (one pass over registers) whatever their reduction hint; rows longer than
+        ``MAX_NUMEL/2`` run ``SMALL_REDUCTION_XBLOCK`` per program instead of an autotuned tile."""
 
         MAX_NUMEL = max_numel
 
