@@ -107,10 +107,10 @@ def kpool_targets(result: dict) -> list[dict]:
     for r in result["rows"]:
         if r["precision"] == "fp8":
             value = r["score_fraction_of_scaled_mm"]
-            out.append({"heads": r["heads"], "precision": "fp8", "target": "score >= 0.50 of scaled_mm",
+            out.append({"heads": r["heads"], "precision": "fp8", "target": f"score >= {SCORER_FRACTION_TARGET:.2f} of scaled_mm",
                         "value": value, "met": value >= SCORER_FRACTION_TARGET})
         value = r["select_over_score"]
-        out.append({"heads": r["heads"], "precision": r["precision"], "target": "select <= 0.25 of score",
+        out.append({"heads": r["heads"], "precision": r["precision"], "target": f"select <= {SELECT_OVER_SCORE_TARGET:.2f} of score",
                     "value": value, "met": value <= SELECT_OVER_SCORE_TARGET})
     return out
 

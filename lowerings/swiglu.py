@@ -43,10 +43,11 @@ def swiglu_decomposition(gate, up, limit, mode):
     dtype = gate.dtype
     g = clamp_select(exact(gate), None, limit)
     u = clamp_select(exact(up), -limit, limit)
-    if mode == "serving":
-        exp = serving_exp if gate.device.type == "cuda" else torch.exp
-        return store(g / (1.0 + exp(-g)) * u, dtype)
-    silu = store(g / (1.0 + torch.exp(-g)), dtype).float()
+    serving = mode == "serving"
+    exp = serving_exp if serving and gate.device.type == "cuda" else torch.exp
+    silu = g / (1.0 + exp(-g))
+    if not serving:
+        silu = store(silu, dtype).float()
     return store(silu * u, dtype)
 
 
