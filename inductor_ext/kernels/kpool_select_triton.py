@@ -1,40 +1,29 @@
 """Triton causal group selection + token expansion of ``glm53::kpool_select`` (CUDA).
 
-One program per query row picks the top ``nsel = min(K, q_n)`` pools (``K = topk/P``) among the
-visible slots ``[q_lo, q_lo + q_n)``. A score becomes an int32 key whose integer order is the float
-order (sign-magnitude to two's complement: ``-0.0`` and ``+0.0`` are both 0); a pool's sort key is
-the exact float64 integer ``key·2^21 + 2^21-1-slot``, so sorting descending lists pools by
-descending score and, among equal scores, lower slot first.
+One program per query row selects ``nsel = min(K, q_n)`` pools (``K = topk/P``) among the visible
+slots ``[q_lo, q_lo + q_n)`` and writes their tokens in ascending slot order. A score becomes an
+int32 key whose integer order is the float order (sign-magnitude to two's complement: ``-0.0`` and
+``+0.0`` are both 0).
 
-- ``q_n <= K``: every visible pool is selected; its sort keys go straight to the sort.
-- otherwise the visible scores are read once into registers, an ``[L, B/L]`` block of the L threads
-  (B = the resident block that holds q_n: BLOCK = next_pow2(S) capped at MAX_BLOCK, or BLOCK/2;
-  slots past MAX_BLOCK are re-read on every pass):
+- ``q_n <= K``: every visible pool is selected; no score is read.
+- otherwise the visible keys are read once into registers (a resident block B of slots: BLOCK =
+  next_pow2(S) capped at MAX_BLOCK, or BLOCK/2 when that holds q_n; slots past MAX_BLOCK are
+  re-read on every pass):
   1. threshold ``tau`` = the nsel-th largest key, by bisection of [min key, max key]: each step one
      compare + select + add per resident key and one block sum; at most 32 steps, ending early as
      soon as exactly nsel keys reach the probe (then those are the answer);
-  2. the slots of the keys >= tau (or > tau when ties at tau straddle the cut) go to a per-row
-     scratch row at distinct ranks: running counts along each thread's registers plus one scan
-     over the threads. Ranks need not follow slot order, the sort fixes the order;
-  3. only when ties straddle the cut, one more pass over the row appends the lowest slots whose key
-     is tau (a prefix scan in slot order) until nsel are taken.
-- the <= KP = next_pow2(K) sort keys (gathered again by slot) are sorted by ``tl.sort``; each pool
-  expands to its P tokens, then the tail tokens and -1 padding (``compact``: tail right after the
-  pools; ``fixed``: at columns topk .. topk+P-2).
+  2. the selected slots (the keys > tau, then the lowest slots whose key is tau until nsel are
+     taken) go to a per-row scratch row at their rank in slot order: one prefix sum over the block
+     (two when ties at tau straddle the cut).
+- one pass over the output columns writes each selected pool's P tokens (document start + P·slot +
+  i), then the visible tail tokens and -1 padding (``compact``: tail right after the pools;
+  ``fixed``: at columns topk .. topk+P-2). The ``compact`` row is ascending token ids, then -1.
 
-Cost per row: one read of the q_n visible scores (from L2 again for the sort keys and the rare tie
-pass); 11-18 bisection steps on continuous scores, 32 at most, each about 3 instructions per key
-row of a thread and one block reduction (one warp per row up to 2048 pools; 4 warps from 2049 to
-8192, 32-64 keys per thread; one per 2048 resident pools beyond, and more when KP > 512); one scatter
-pass; a bitonic sort of KP keys (log2(KP)·(log2(KP)+1)/2 compare-exchange steps: on the H200 at
-KP = 512 and 4096 pools, 35 % of the kernel at 4 warps, 37 % at one); the write of
-``topk + P - 1`` ids. A row is a chain of dependent steps, so the kernel is latency-bound: the
-register cap (:func:`_register_cap`) sets how many rows share an SM (H200, 4096 pools: 481 µs at
-168 registers, 387 µs at 56). Static shapes only, no host sync; S <= 2^21 pools.
-
-The CPU reference (``torch.topk``) leaves the order among equal scores unspecified: token sets
-agree unless the nsel-th and (nsel+1)-th best scores tie, and then both pick pools of the same
-scores. NaN scores are not supported.
+Cost per selecting row: one read of the q_n visible scores; 11-18 bisection steps on continuous
+scores (32 at most), each about 3 instructions per resident key and one block reduction; one or
+two block prefix sums; the write of ``topk + P - 1`` ids. Rows are chains of dependent block
+reductions, so the register cap (:func:`_register_cap`) sets how many share an SM. Static shapes
+only, no host sync. NaN scores are not supported.
 """
 
 from __future__ import annotations
@@ -51,9 +40,10 @@ MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MA
 ONE_WARP_REGS = 128  # H200, 2048 pools: 164 us at 128 registers per thread, 188 at 168, 172-181 at 80-104
 REG_HEADROOM = 24  # wider rows: registers = resident keys per thread + 24 (H200: 4096 pools, 4 warps: 481 us
 # at 168 registers, 387 at 56; 8192 pools, 4 warps: 1751 us at 168, 1313 at 88, 1301-1303 at 80 and 96)
+SCATTER_PER_WARP = 256  # slots per scatter pass per warp (8 per thread: 16 spill at a cap of 56 registers)
+OUT_CHUNK = 1024  # output columns written per pass
 _NONE = tl.constexpr(-(2**31))  # key of slots past q_n (no score has it)
 _I32_MAX = tl.constexpr(2**31 - 1)
-_SLOTS = tl.constexpr(2**21)  # sort keys: exact float64 integers key·2^21 + 2^21-1-slot
 
 
 @triton.jit
@@ -65,55 +55,51 @@ def _load_keys(lrow, stride_ls, j, q_n):
 
 
 @triton.jit
-def _block_keys(lrow, stride_ls, start, q_n, B: tl.constexpr, L: tl.constexpr):
-    """Keys and slots ``start + lane + L·r`` as ``[L, B/L]`` tensors: L = 32·num_warps threads
-    along dim 0 (coalesced loads), each holding B/L keys along dim 1."""
-    j = start + tl.arange(0, L)[:, None] + tl.arange(0, B // L)[None, :] * L
-    return _load_keys(lrow, stride_ls, j, q_n), j
-
-
-@triton.jit
-def _sort_key(key, slot):
-    """float64 integer ordered by (score, then lower slot): one compare per bitonic step."""
-    return key.to(tl.float64) * _SLOTS - slot.to(tl.float64) + (_SLOTS - 1)
-
-
-@triton.jit
-def _count_ge(keys, t, one, lrow, stride_ls, q_n, B: tl.constexpr, C: tl.constexpr, L: tl.constexpr,
-              LONG: tl.constexpr):
+def _count_ge(keys, t, one, lrow, stride_ls, q_n, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr):
     """#(visible keys >= t), t > _NONE; keys = slots [0, B), slots >= B re-read C at a time if LONG.
     ``one`` is a runtime 1: summing it, not the bool, compiles to compare + select + add."""
     c = tl.sum(tl.where(keys >= t, one, 0))
     if LONG:
         for start in range(B, q_n, C):
-            more, _ = _block_keys(lrow, stride_ls, start, q_n, C, L)
+            more = _load_keys(lrow, stride_ls, start + tl.arange(0, C), q_n)
             c += tl.sum(tl.where(more >= t, one, 0))
     return c
 
 
 @triton.jit
-def _scatter(keys, j, t, srow, n0, nsel):
-    """Write the slots j of ``keys >= t`` to srow[n0 + rank], ranks distinct but not in slot
-    order: running count along dim 1 (a thread's registers), then across the threads."""
-    sel = (keys >= t).to(tl.int32)
-    lane_n = tl.sum(sel, axis=1)
-    pos = n0 + (tl.cumsum(lane_n, axis=0) - lane_n)[:, None] + tl.cumsum(sel, axis=1) - 1
-    tl.store(srow + pos, j, mask=(sel != 0) & (pos < nsel))
-    return n0 + tl.sum(lane_n, axis=0)
+def _exclusive_prefix(flags):
+    """Per element, how many of the earlier elements (slot order) are set."""
+    n = flags.to(tl.int32)
+    return tl.cumsum(n, axis=0) - n
 
 
 @triton.jit
-def _select_top(lrow, stride_ls, q_n, nsel, srow, one, B: tl.constexpr, C: tl.constexpr, L: tl.constexpr,
-                LONG: tl.constexpr):
+def _scatter(keys, j, tau, straddle, need, srow, n0, e0):
+    """Write the slots j of the selected keys to srow at their rank in slot order, after n0
+    earlier ones: keys > tau, and keys == tau while fewer than ``need`` (e0 taken before) when
+    ties at tau straddle the cut (else every key >= tau). Returns the updated (n0, e0)."""
+    sel = keys >= tau
+    if straddle:
+        eq = keys == tau
+        sel = (keys > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))
+        e0 += tl.sum(eq.to(tl.int32), axis=0)
+    tl.store(srow + n0 + _exclusive_prefix(sel), j, mask=sel)
+    return n0 + tl.sum(sel.to(tl.int32), axis=0), e0
+
+
+@triton.jit
+def _select_top(lrow, stride_ls, q_n, nsel, srow, one, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr,
+                SCATTER: tl.constexpr):
     """Steps 1-2 for q_n > nsel visible slots (resident block B, the rest re-read C at a time if
-    LONG). Returns (tau, #keys > tau, whether ties at tau straddle the cut: then only the keys >
-    tau were written)."""
-    keys, j = _block_keys(lrow, stride_ls, 0, q_n, B, L)
+    LONG): the nsel selected slots to srow[0:nsel], in slot order. The scatter re-reads the row
+    SCATTER slots at a time (from L2): the resident keys are dead by then, and the prefix sums
+    stay within the register cap."""
+    keys = _load_keys(lrow, stride_ls, tl.arange(0, B), q_n)
     lo = tl.min(tl.where(keys == _NONE, _I32_MAX, keys))
     hi = tl.max(keys)
     if LONG:
         for start in range(B, q_n, C):
-            more, _ = _block_keys(lrow, stride_ls, start, q_n, C, L)
+            more = _load_keys(lrow, stride_ls, start + tl.arange(0, C), q_n)
             lo = tl.minimum(lo, tl.min(tl.where(more == _NONE, _I32_MAX, more)))
             hi = tl.maximum(hi, tl.max(more))
     # invariant: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); int64: no overflow
@@ -123,137 +109,95 @@ def _select_top(lrow, stride_ls, q_n, nsel, srow, one, B: tl.constexpr, C: tl.co
     n_above = q_n * 0
     while lo < hi:
         mid = lo + ((hi - lo + 1) >> 1)
-        c = _count_ge(keys, mid.to(tl.int32), one, lrow, stride_ls, q_n, B, C, L, LONG)
+        c = _count_ge(keys, mid.to(tl.int32), one, lrow, stride_ls, q_n, B, C, LONG)
         up = c >= nsel  # on an exact hit the keys >= mid are the answer: stop there
         lo = tl.where(up, mid, lo)
         c_lo = tl.where(up, c, c_lo)
         hi = tl.where(c == nsel, mid, tl.where(up, hi, mid - 1))
         n_above = tl.where(up, n_above, c)
     tau = lo.to(tl.int32)
-    straddle = c_lo > nsel
-    t = tau + straddle.to(tl.int32)  # straddle: keys > tau only (|key| < 2^31 - 1 without NaN)
-    n = _scatter(keys, j, t, srow, q_n * 0, nsel)
-    if LONG:
-        for start in range(B, q_n, C):
-            more, jj = _block_keys(lrow, stride_ls, start, q_n, C, L)
-            n = _scatter(more, jj, t, srow, n, nsel)
-    return tau, n_above, straddle
-
-
-@triton.jit
-def _append_ties(lrow, stride_ls, q_n, nsel, tau, n_above, srow, C: tl.constexpr):
-    """srow[n_above:nsel] <- the lowest slots whose key is tau (in slot order)."""
-    n_eq = n_above * 0
-    for start in range(0, q_n, C):
-        j = start + tl.arange(0, C)
-        keys = _load_keys(lrow, stride_ls, j, q_n)
-        eq = (keys == tau).to(tl.int32)
-        pos = n_above + n_eq + tl.cumsum(eq, axis=0) - 1
-        tl.store(srow + pos, j, mask=(eq != 0) & (pos < nsel))
-        n_eq += tl.sum(eq, axis=0)
+    straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
+    need = nsel - n_above
+    n = q_n * 0
+    e = q_n * 0
+    for start in range(0, q_n, SCATTER):
+        jj = start + tl.arange(0, SCATTER)
+        n, e = _scatter(_load_keys(lrow, stride_ls, jj, q_n), jj, tau, straddle, need, srow, n, e)
 
 
 @triton.jit
 def _kpool_select_kernel(
     logits_ptr, stride_lm, stride_ls, q_lo_ptr, q_n_ptr, tail_start_ptr, tail_len_ptr,
     out_ptr, scratch_ptr, W, K, TOPK,
-    P: tl.constexpr, PP: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
-    COMPACT: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, LONG: tl.constexpr,
-    CHUNK: tl.constexpr, LANES: tl.constexpr, PAD: tl.constexpr, PAD_CHUNKS,
+    P: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, LONG: tl.constexpr,
+    CHUNK: tl.constexpr, SCATTER: tl.constexpr, OUT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     q_lo = tl.load(q_lo_ptr + row)
     q_n = tl.load(q_n_ptr + row).to(tl.int32)
     t_start = tl.load(tail_start_ptr + row)
-    t_len = tl.load(tail_len_ptr + row)
+    t_len = tl.load(tail_len_ptr + row).to(tl.int32)
     nsel = tl.minimum(q_n, K)
-    lrow = logits_ptr + row * stride_lm + q_lo * stride_ls
-    srow = scratch_ptr + row * KP
-    kj = tl.arange(0, KP)
-    slot = kj
-    if q_n > K:
+    srow = scratch_ptr + row * K
+    pick = q_n > K
+    if pick:
+        lrow = logits_ptr + row * stride_lm + q_lo * stride_ls
         level = 0  # the smallest block BLOCK >> level that holds q_n (level < LEVELS)
         for lv in tl.static_range(1, LEVELS):
             level += (q_n <= (BLOCK >> lv)).to(tl.int32)
-        tau = nsel * 0
-        n_above = nsel * 0
-        straddle = nsel < 0
         one = (q_lo >= 0).to(tl.int32)  # 1, opaque to the compiler (see _count_ge)
         for lv in tl.static_range(LEVELS):
             if level == lv:
-                tau, n_above, straddle = _select_top(lrow, stride_ls, q_n, nsel, srow, one,
-                                                     BLOCK >> lv, CHUNK, LANES, LONG and lv == 0)
-        if straddle:
-            _append_ties(lrow, stride_ls, q_n, nsel, tau, n_above, srow, CHUNK)
+                _select_top(lrow, stride_ls, q_n, nsel, srow, one, BLOCK >> lv, CHUNK, LONG and lv == 0, SCATTER)
         tl.debug_barrier()  # the scratch row is read back by other threads
-        slot = tl.load(srow + kj, mask=kj < nsel, other=0)
-    # else every visible pool is selected
-    packed = tl.where(kj < nsel, _sort_key(_load_keys(lrow, stride_ls, slot, q_n), slot), -2.0**53)
-    packed = tl.sort(packed, descending=True)
-    # expand each pool to its P tokens: document start + P·slot + i
-    slot = ((packed.to(tl.int64) & (_SLOTS - 1)) ^ (_SLOTS - 1)).to(tl.int32)
-    first = (t_start - P * q_n).to(tl.int32) + P * slot
-    i = tl.arange(0, PP)
+    # else every visible pool is selected: pool tokens are the document's first P·q_n tokens
+    doc_start = (t_start - P * q_n).to(tl.int32)
+    n_tok = nsel * P
+    base = n_tok if COMPACT else TOPK + 0 * n_tok
     orow = out_ptr + row * W
-    tokens = first[:, None] + i[None, :]
-    tl.store(orow + kj[:, None] * P + i[None, :], tokens, mask=(kj < nsel)[:, None] & (i < P)[None, :])
-    # tail tokens (or -1) at base .. base+P-2, -1 everywhere else
-    if COMPACT:
-        base = nsel * P
-    else:
-        base = nsel * 0 + TOPK
-    jt = tl.arange(0, TP)
-    tail = tl.where(jt < t_len, t_start + jt, -1)
-    tl.store(orow + base + jt, tail.to(tl.int32), mask=jt < P - 1)
-    offs = tl.arange(0, PAD)
-    for c in range(nsel * P // PAD, PAD_CHUNKS):
-        col = c * PAD + offs
-        pad = (col < W) & (col >= nsel * P) & ((col < base) | (col >= base + P - 1))
-        tl.store(orow + col, tl.full((PAD,), -1, tl.int32), mask=pad)
+    for c0 in range(0, W, OUT):
+        col = c0 + tl.arange(0, OUT)
+        in_pool = col < n_tok
+        slot = tl.load(srow + col // P, mask=in_pool & pick, other=0)
+        pool_tok = doc_start + tl.where(pick, P * slot + col % P, col)
+        jt = col - base
+        tail_tok = tl.where((jt >= 0) & (jt < t_len), t_start.to(tl.int32) + jt, -1)
+        tl.store(orow + col, tl.where(in_pool, pool_tok, tail_tok), mask=col < W)
 
 
-def _register_cap(block: int, kp: int, warps: int) -> int:
+def _register_cap(block: int, warps: int) -> int:
     """Registers per thread: few enough for many rows per SM (each row is a chain of dependent
-    reductions, so rows in flight hide its latency), enough for the resident keys (int32) and
-    the sort keys (float64) without spills."""
+    reductions, so rows in flight hide its latency), enough for the resident int32 keys."""
     if warps == 1:
         return ONE_WARP_REGS
-    lanes = 32 * warps
-    return min(255, max(block // lanes, 2 * kp // lanes) + REG_HEADROOM)
+    return min(255, block // (32 * warps) + REG_HEADROOM)
 
 
-def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_size: int, tail: str,
-                     block: int = 256):
+def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_size: int, tail: str):
     """Selected token ids int32 ``[M, topk + P - 1]`` (see :func:`inductor_ext.ops.kpool.kpool_select`).
 
     Args:
         logits: ``[M, S]`` fp32, any strides (the scorer's padded workspace view).
         q_lo, q_n, tail_start, tail_len: ``[M]`` int64 rows of ``kpool_layout``.
         topk, pool_size, tail: as the op.
-        block: columns per store of the -1 padding.
 
-    A scratch ``[M, next_pow2(min(topk/P, S))]`` int32 buffer is allocated from static shapes.
+    A scratch ``[M, min(topk/P, S)]`` int32 buffer is allocated from static shapes.
     """
     M, S = logits.shape
-    if S > _SLOTS.value:
-        raise ValueError(f"kpool_select: {S} pool slots, the Triton kernel takes at most {_SLOTS.value}")
     P = pool_size
     W = topk + P - 1
     K = min(topk // P, S)
-    KP = max(16, triton.next_power_of_2(K))
     out = torch.empty(M, W, dtype=torch.int32, device=logits.device)
     if M == 0:
         return out
-    scratch = torch.empty(M, KP, dtype=torch.int32, device=logits.device)
+    scratch = torch.empty(M, max(K, 1), dtype=torch.int32, device=logits.device)
     BLOCK = min(max(32, triton.next_power_of_2(S)), MAX_BLOCK)
     levels = 2 if BLOCK // 2 > K and BLOCK >= 64 else 1  # resident blocks BLOCK (, BLOCK/2)
-    warps = min(32, max(1 if BLOCK <= ONE_WARP else max(MIN_WARPS_WIDE, BLOCK // 2048), KP // 512))
-    pad = min(block, max(16, triton.next_power_of_2(W)))
+    warps = 1 if BLOCK <= ONE_WARP else max(MIN_WARPS_WIDE, BLOCK // 2048)
     q_lo, q_n, tail_start, tail_len = (t.contiguous() for t in (q_lo, q_n, tail_start, tail_len))
     _kpool_select_kernel[(M,)](
         logits, logits.stride(0), logits.stride(1), q_lo, q_n, tail_start, tail_len, out, scratch,
-        W, K, topk, P=P, PP=triton.next_power_of_2(P), TP=triton.next_power_of_2(max(P - 1, 1)), KP=KP,
-        COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK,
-        CHUNK=min(BLOCK, 512 * warps), LANES=32 * warps, PAD=pad, PAD_CHUNKS=triton.cdiv(W, pad),
-        num_warps=warps, maxnreg=_register_cap(BLOCK, KP, warps))
+        W, K, topk, P=P, COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK,
+        CHUNK=min(BLOCK, 512 * warps), SCATTER=min(BLOCK, SCATTER_PER_WARP * warps), OUT=min(OUT_CHUNK, triton.next_power_of_2(W)),
+        num_warps=warps, maxnreg=_register_cap(BLOCK, warps))
     return out

@@ -321,7 +321,9 @@ def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, ta
 
     Returns:
         int32 ``[M, topk + P - 1]`` global token ids: the P tokens of each of the top
-        ``min(topk/P, q_n)`` visible pools (descending score), the visible tail tokens, -1 padding.
+        ``min(topk/P, q_n)`` visible pools (equal scores: lower pool first) in ascending pool
+        order, the visible tail tokens, -1 padding. With ``tail="compact"`` a row is ascending
+        ids, then -1.
     """
     _choice("tail", tail, TAILS)
     _pool_geometry(topk, pool_size)

@@ -220,10 +220,10 @@ def logits_reference(q, w, pool, pool_scale, precision: str, layout: str) -> tor
 def select_reference(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_size: int, tail: str):
     """Causal group selection and token expansion → int32 ``[M, topk + P - 1]``.
 
-    Per row: the top ``min(topk/P, q_n)`` pools among slots ``[q_lo, q_lo + q_n)`` (score order,
-    descending; equal scores lowest slot first), each expanded to its P global token ids, then the
-    ``tail_len`` visible tail tokens, then -1. ``tail="compact"`` puts the tail right after the selected pools (serving);
-    ``"fixed"`` at columns ``topk .. topk+P-2``.
+    Per row: the top ``min(topk/P, q_n)`` pools among slots ``[q_lo, q_lo + q_n)`` (equal scores:
+    lowest slot first), in ascending slot order, each expanded to its P global token ids, then the
+    ``tail_len`` visible tail tokens, then -1. ``tail="compact"`` puts the tail right after the
+    selected pools (the row is then ascending ids, then -1); ``"fixed"`` at columns ``topk .. topk+P-2``.
     """
     M, S = logits.shape
     P = pool_size
@@ -241,6 +241,7 @@ def select_reference(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
         by_visibility = torch.sort(visible.gather(1, order).to(torch.int8), dim=1, descending=True, stable=True)
         idx = order.gather(1, by_visibility.indices[:, :K])  # [M,K]
         keep = torch.arange(K, device=dev)[None, :] < nsel[:, None]
+        idx = torch.where(keep, idx, S).sort(dim=1).values  # selected slots ascending, unkept last
         first = _slot_first_token(idx, tail_start, q_lo, q_n, P)
         tokens = first[..., None] + torch.arange(P, device=dev)
         tokens = torch.where(keep[..., None], tokens, torch.full_like(tokens, -1))
