@@ -1,27 +1,28 @@
 """Triton causal group selection + token expansion of ``glm53::kpool_select`` (CUDA).
 
 One program per query row selects ``nsel = min(K, q_n)`` pools (``K = topk/P``) among the visible
-slots ``[q_lo, q_lo + q_n)`` and writes their tokens in ascending slot order. A score becomes an
-int32 key whose integer order is the float order (sign-magnitude to two's complement: ``-0.0`` and
-``+0.0`` are both 0).
+slots ``[q_lo, q_lo + q_n)`` and writes their tokens in ascending slot order. Scores stay fp32
+in registers (slots past q_n read as NaN, which no comparison counts); the threshold is searched
+over int32 keys whose integer order is the float order (sign-magnitude to two's complement:
+``-0.0`` and ``+0.0`` are both 0, as they compare equal).
 
 - ``q_n <= K``: every visible pool is selected; no score is read.
-- otherwise the visible keys are read once into registers (a resident block B of slots: BLOCK =
+- otherwise the visible scores are read once into registers (a resident block B of slots: BLOCK =
   next_pow2(S) capped at MAX_BLOCK, or BLOCK/2 when that holds q_n; slots past MAX_BLOCK are
   re-read on every pass):
-  1. threshold ``tau`` = the nsel-th largest key, by bisection of [min key, max key]: each step one
-     compare + select + add per resident key and one block sum; at most 32 steps, ending early as
-     soon as exactly nsel keys reach the probe (then those are the answer);
-  2. the selected slots (the keys > tau, then the lowest slots whose key is tau until nsel are
-     taken) go to a per-row scratch row at their rank in slot order: one prefix sum over the block
+  1. threshold ``tau`` = the nsel-th largest score, by bisection over the keys of [min, max]: each
+     step one compare + select + add per resident score and one block sum; at most 32 steps,
+     ending early as soon as exactly nsel scores reach the probe (then those are the answer);
+  2. the selected slots (scores > tau, then the lowest slots whose score is tau until nsel are
+     taken) go to a per-row scratch row at their rank in slot order: one prefix sum per pass
      (two when ties at tau straddle the cut).
 - one pass over the output columns writes each selected pool's P tokens (document start + P·slot +
   i), then the visible tail tokens and -1 padding (``compact``: tail right after the pools;
   ``fixed``: at columns topk .. topk+P-2). The ``compact`` row is ascending token ids, then -1.
 
 Cost per selecting row: one read of the q_n visible scores; 11-18 bisection steps on continuous
-scores (32 at most), each about 3 instructions per resident key and one block reduction; one or
-two block prefix sums; the write of ``topk + P - 1`` ids. Rows are chains of dependent block
+scores (32 at most), each about 3 instructions per resident score and one block reduction; one or
+two block prefix sums per scatter pass; the write of ``topk + P - 1`` ids. Rows are chains of dependent block
 reductions, so the register cap (:func:`_register_cap`) sets how many share an SM. Static shapes
 only, no host sync. NaN scores are not supported.
 """
@@ -34,34 +35,44 @@ import triton.language as tl
 
 __all__ = ["kpool_select_fwd"]
 
-ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident keys per thread
+ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident scores per thread
 MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 1 warp 653 us, 2: 551, 4: 481, 8: 726)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
 ONE_WARP_REGS = 128  # H200, 2048 pools: 164 us at 128 registers per thread, 188 at 168, 172-181 at 80-104
-REG_HEADROOM = 24  # wider rows: registers = resident keys per thread + 24 (H200: 4096 pools, 4 warps: 481 us
+REG_HEADROOM = 24  # wider rows: registers = resident scores per thread + 24 (H200: 4096 pools, 4 warps: 481 us
 # at 168 registers, 387 at 56; 8192 pools, 4 warps: 1751 us at 168, 1313 at 88, 1301-1303 at 80 and 96)
 SCATTER_PER_WARP = 256  # slots per scatter pass per warp (8 per thread: 16 spill at a cap of 56 registers)
 OUT_CHUNK = 1024  # output columns written per pass
-_NONE = tl.constexpr(-(2**31))  # key of slots past q_n (no score has it)
-_I32_MAX = tl.constexpr(2**31 - 1)
+_SIGN = tl.constexpr(-(2**31))
 
 
 @triton.jit
-def _load_keys(lrow, stride_ls, j, q_n):
-    """int32 keys of slots j: integer order = float order, -0.0 = +0.0 = 0; _NONE past q_n."""
-    ok = j < q_n
-    b = tl.load(lrow + j * stride_ls, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-    return tl.where(ok, tl.where(b < 0, -(b & 0x7FFFFFFF), b), _NONE)
+def _load_scores(lrow, stride_ls, j, q_n):
+    """fp32 scores of slots j; NaN past q_n (never >=, > or == a threshold)."""
+    return tl.load(lrow + j * stride_ls, mask=j < q_n, other=float("nan"))
 
 
 @triton.jit
-def _count_ge(keys, t, one, lrow, stride_ls, q_n, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr):
-    """#(visible keys >= t), t > _NONE; keys = slots [0, B), slots >= B re-read C at a time if LONG.
+def _key(x):
+    """int32 key of a (scalar) score: integer order = float order, -0.0 and +0.0 both 0."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, -(b & 0x7FFFFFFF), b)
+
+
+@triton.jit
+def _score(k):
+    """The score of an int32 key (0: +0.0); inverse of :func:`_key`."""
+    return tl.where(k < 0, (-k) | _SIGN, k).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _count_ge(x, t, one, lrow, stride_ls, q_n, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr):
+    """#(visible scores >= t); x = slots [0, B), slots >= B re-read C at a time if LONG.
     ``one`` is a runtime 1: summing it, not the bool, compiles to compare + select + add."""
-    c = tl.sum(tl.where(keys >= t, one, 0))
+    c = tl.sum(tl.where(x >= t, one, 0))
     if LONG:
         for start in range(B, q_n, C):
-            more = _load_keys(lrow, stride_ls, start + tl.arange(0, C), q_n)
+            more = _load_scores(lrow, stride_ls, start + tl.arange(0, C), q_n)
             c += tl.sum(tl.where(more >= t, one, 0))
     return c
 
@@ -74,16 +85,17 @@ def _exclusive_prefix(flags):
 
 
 @triton.jit
-def _scatter(keys, j, tau, straddle, need, srow, n0, e0):
-    """Write the slots j of the selected keys to srow at their rank in slot order, after n0
-    earlier ones: keys > tau, and keys == tau while fewer than ``need`` (e0 taken before) when
-    ties at tau straddle the cut (else every key >= tau). Returns the updated (n0, e0)."""
-    sel = keys >= tau
+def _scatter(x, j, tau, straddle, need, srow, n0, e0, nsel):
+    """Write the slots j of the selected scores to srow at their rank in slot order, after n0
+    earlier ones: scores > tau, and scores == tau while fewer than ``need`` (e0 taken before) when
+    ties at tau straddle the cut (else every score >= tau). Returns the updated (n0, e0)."""
+    sel = x >= tau
     if straddle:
-        eq = keys == tau
-        sel = (keys > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))
+        eq = x == tau
+        sel = (x > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))
         e0 += tl.sum(eq.to(tl.int32), axis=0)
-    tl.store(srow + n0 + _exclusive_prefix(sel), j, mask=sel)
+    rank = n0 + _exclusive_prefix(sel)
+    tl.store(srow + rank, j, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
     return n0 + tl.sum(sel.to(tl.int32), axis=0), e0
 
 
@@ -92,37 +104,39 @@ def _select_top(lrow, stride_ls, q_n, nsel, srow, one, B: tl.constexpr, C: tl.co
                 SCATTER: tl.constexpr):
     """Steps 1-2 for q_n > nsel visible slots (resident block B, the rest re-read C at a time if
     LONG): the nsel selected slots to srow[0:nsel], in slot order. The scatter re-reads the row
-    SCATTER slots at a time (from L2): the resident keys are dead by then, and the prefix sums
+    SCATTER slots at a time (from L2): the resident scores are dead by then, and the prefix sums
     stay within the register cap."""
-    keys = _load_keys(lrow, stride_ls, tl.arange(0, B), q_n)
-    lo = tl.min(tl.where(keys == _NONE, _I32_MAX, keys))
-    hi = tl.max(keys)
+    j = tl.arange(0, B)
+    x = _load_scores(lrow, stride_ls, j, q_n)
+    lo = tl.min(tl.where(j < q_n, x, float("inf")))
+    hi = tl.max(tl.where(j < q_n, x, -float("inf")))
     if LONG:
         for start in range(B, q_n, C):
-            more = _load_keys(lrow, stride_ls, start + tl.arange(0, C), q_n)
-            lo = tl.minimum(lo, tl.min(tl.where(more == _NONE, _I32_MAX, more)))
-            hi = tl.maximum(hi, tl.max(more))
-    # invariant: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); int64: no overflow
-    lo = lo.to(tl.int64)
-    hi = hi.to(tl.int64)
+            jj = start + tl.arange(0, C)
+            more = _load_scores(lrow, stride_ls, jj, q_n)
+            lo = tl.minimum(lo, tl.min(tl.where(jj < q_n, more, float("inf"))))
+            hi = tl.maximum(hi, tl.max(tl.where(jj < q_n, more, -float("inf"))))
+    # over keys: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); int64: no overflow
+    lo = _key(lo).to(tl.int64)
+    hi = _key(hi).to(tl.int64)
     c_lo = q_n
     n_above = q_n * 0
     while lo < hi:
         mid = lo + ((hi - lo + 1) >> 1)
-        c = _count_ge(keys, mid.to(tl.int32), one, lrow, stride_ls, q_n, B, C, LONG)
+        c = _count_ge(x, _score(mid.to(tl.int32)), one, lrow, stride_ls, q_n, B, C, LONG)
         up = c >= nsel  # on an exact hit the keys >= mid are the answer: stop there
         lo = tl.where(up, mid, lo)
         c_lo = tl.where(up, c, c_lo)
         hi = tl.where(c == nsel, mid, tl.where(up, hi, mid - 1))
         n_above = tl.where(up, n_above, c)
-    tau = lo.to(tl.int32)
+    tau = _score(lo.to(tl.int32))
     straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
     need = nsel - n_above
     n = q_n * 0
     e = q_n * 0
     for start in range(0, q_n, SCATTER):
         jj = start + tl.arange(0, SCATTER)
-        n, e = _scatter(_load_keys(lrow, stride_ls, jj, q_n), jj, tau, straddle, need, srow, n, e)
+        n, e = _scatter(_load_scores(lrow, stride_ls, jj, q_n), jj, tau, straddle, need, srow, n, e, nsel)
 
 
 @triton.jit
@@ -167,7 +181,7 @@ def _kpool_select_kernel(
 
 def _register_cap(block: int, warps: int) -> int:
     """Registers per thread: few enough for many rows per SM (each row is a chain of dependent
-    reductions, so rows in flight hide its latency), enough for the resident int32 keys."""
+    reductions, so rows in flight hide its latency), enough for the resident fp32 scores."""
     if warps == 1:
         return ONE_WARP_REGS
     return min(255, block // (32 * warps) + REG_HEADROOM)
