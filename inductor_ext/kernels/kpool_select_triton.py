@@ -41,15 +41,31 @@ MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MA
 ONE_WARP_REGS = 128  # H200, 2048 pools: 164 us at 128 registers per thread, 188 at 168, 172-181 at 80-104
 REG_HEADROOM = 24  # wider rows: registers = resident scores per thread + 24 (H200: 4096 pools, 4 warps: 481 us
 # at 168 registers, 387 at 56; 8192 pools, 4 warps: 1751 us at 168, 1313 at 88, 1301-1303 at 80 and 96)
-SCATTER_PER_WARP = 256  # slots per scatter pass per warp (8 per thread: 16 spill at a cap of 56 registers)
-OUT_CHUNK = 1024  # output columns written per pass
+OUT_CHUNK = 512  # output columns written per pass (H200, 4096 pools: 286 us at 512, 291 at 1024)
+VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
 
 
 @triton.jit
-def _load_scores(lrow, stride_ls, j, q_n):
-    """fp32 scores of slots j; NaN past q_n (never >=, > or == a threshold)."""
-    return tl.load(lrow + j * stride_ls, mask=j < q_n, other=float("nan"))
+def _slots(start, off, R: tl.constexpr):
+    """Slots of the ``[R, VEC]`` block at aligned offset ``start`` of the row: element (r, i) is
+    slot ``start + VEC·r + i - off``. Each thread holds whole rows of VEC consecutive slots."""
+    return start - off + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+
+
+@triton.jit
+def _block(lrow, stride_ls, start, off, q_n, R: tl.constexpr, WHOLE: tl.constexpr):
+    """Scores of the ``[R, VEC]`` block at aligned offset ``start`` (see :func:`_slots`); NaN
+    outside the visible slots [0, q_n) (never >=, > or == a threshold). WHOLE: read every
+    16-byte vector that holds a visible slot (one vector load; the row's storage extends to a
+    multiple of VEC), then blank the rest."""
+    r = start + tl.arange(0, R)[:, None] * VEC
+    e = r + tl.arange(0, VEC)[None, :]
+    ok = (e >= off) & (e < off + q_n)
+    if WHOLE:
+        x = tl.load(lrow + e * stride_ls, mask=(r + VEC > off) & (r < off + q_n), other=float("nan"))
+        return tl.where(ok, x, float("nan"))
+    return tl.load(lrow + e * stride_ls, mask=ok, other=float("nan"))
 
 
 @triton.jit
@@ -66,56 +82,56 @@ def _score(k):
 
 
 @triton.jit
-def _count_ge(x, t, one, lrow, stride_ls, q_n, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr):
-    """#(visible scores >= t); x = slots [0, B), slots >= B re-read C at a time if LONG.
+def _count_ge(x, t, one, lrow, stride_ls, off, q_n, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr,
+              WHOLE: tl.constexpr):
+    """#(visible scores >= t); x = the resident block, the rest re-read C at a time if LONG.
     ``one`` is a runtime 1: summing it, not the bool, compiles to compare + select + add."""
-    c = tl.sum(tl.where(x >= t, one, 0))
+    c = tl.sum(tl.sum(tl.where(x >= t, one, 0), axis=1), axis=0)
     if LONG:
-        for start in range(B, q_n, C):
-            more = _load_scores(lrow, stride_ls, start + tl.arange(0, C), q_n)
-            c += tl.sum(tl.where(more >= t, one, 0))
+        for start in range(B, q_n + off, C):
+            more = _block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE)
+            c += tl.sum(tl.sum(tl.where(more >= t, one, 0), axis=1), axis=0)
     return c
 
 
 @triton.jit
 def _exclusive_prefix(flags):
-    """Per element, how many of the earlier elements (slot order) are set."""
+    """Per element of an ``[R, VEC]`` block, how many earlier elements (slot order: row-major)
+    are set. The VEC elements of a row share a thread: one block scan over the R row counts."""
     n = flags.to(tl.int32)
-    return tl.cumsum(n, axis=0) - n
+    per_row = tl.sum(n, axis=1)
+    return (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(n, axis=1) - n
 
 
 @triton.jit
-def _scatter(x, j, tau, straddle, need, srow, n0, e0, nsel):
-    """Write the slots j of the selected scores to srow at their rank in slot order, after n0
-    earlier ones: scores > tau, and scores == tau while fewer than ``need`` (e0 taken before) when
-    ties at tau straddle the cut (else every score >= tau). Returns the updated (n0, e0)."""
+def _scatter(x, slot, tau, straddle, need, srow, n0, e0, nsel):
+    """Write the slots of the selected scores of a block to srow at their rank in slot order,
+    after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need`` (e0 taken
+    before) when ties at tau straddle the cut (else every score >= tau). Returns (n0, e0) updated."""
     sel = x >= tau
     if straddle:
         eq = x == tau
         sel = (x > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))
-        e0 += tl.sum(eq.to(tl.int32), axis=0)
+        e0 += tl.sum(tl.sum(eq.to(tl.int32), axis=1), axis=0)
     rank = n0 + _exclusive_prefix(sel)
-    tl.store(srow + rank, j, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
-    return n0 + tl.sum(sel.to(tl.int32), axis=0), e0
+    tl.store(srow + rank, slot, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
+    return n0 + tl.sum(tl.sum(sel.to(tl.int32), axis=1), axis=0), e0
 
 
 @triton.jit
-def _select_top(lrow, stride_ls, q_n, nsel, srow, one, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr,
-                SCATTER: tl.constexpr):
-    """Steps 1-2 for q_n > nsel visible slots (resident block B, the rest re-read C at a time if
-    LONG): the nsel selected slots to srow[0:nsel], in slot order. The scatter re-reads the row
-    SCATTER slots at a time (from L2): the resident scores are dead by then, and the prefix sums
-    stay within the register cap."""
-    j = tl.arange(0, B)
-    x = _load_scores(lrow, stride_ls, j, q_n)
-    lo = tl.min(tl.where(j < q_n, x, float("inf")))
-    hi = tl.max(tl.where(j < q_n, x, -float("inf")))
+def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr,
+                WHOLE: tl.constexpr):
+    """Steps 1-2 for q_n > nsel visible slots (resident block of B elements from the aligned row
+    start, ``off`` slots before q_lo; the rest re-read C at a time if LONG): the nsel selected
+    slots to srow[0:nsel], in slot order."""
+    x = _block(lrow, stride_ls, 0, off, q_n, B // VEC, WHOLE)
+    lo = tl.min(tl.min(tl.where(x == x, x, float("inf")), axis=1), axis=0)
+    hi = tl.max(tl.max(tl.where(x == x, x, -float("inf")), axis=1), axis=0)
     if LONG:
-        for start in range(B, q_n, C):
-            jj = start + tl.arange(0, C)
-            more = _load_scores(lrow, stride_ls, jj, q_n)
-            lo = tl.minimum(lo, tl.min(tl.where(jj < q_n, more, float("inf"))))
-            hi = tl.maximum(hi, tl.max(tl.where(jj < q_n, more, -float("inf"))))
+        for start in range(B, q_n + off, C):
+            more = _block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE)
+            lo = tl.minimum(lo, tl.min(tl.min(tl.where(more == more, more, float("inf")), axis=1), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.max(tl.where(more == more, more, -float("inf")), axis=1), axis=0))
     # over keys: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); int64: no overflow
     lo = _key(lo).to(tl.int64)
     hi = _key(hi).to(tl.int64)
@@ -123,7 +139,7 @@ def _select_top(lrow, stride_ls, q_n, nsel, srow, one, B: tl.constexpr, C: tl.co
     n_above = q_n * 0
     while lo < hi:
         mid = lo + ((hi - lo + 1) >> 1)
-        c = _count_ge(x, _score(mid.to(tl.int32)), one, lrow, stride_ls, q_n, B, C, LONG)
+        c = _count_ge(x, _score(mid.to(tl.int32)), one, lrow, stride_ls, off, q_n, B, C, LONG, WHOLE)
         up = c >= nsel  # on an exact hit the keys >= mid are the answer: stop there
         lo = tl.where(up, mid, lo)
         c_lo = tl.where(up, c, c_lo)
@@ -132,11 +148,11 @@ def _select_top(lrow, stride_ls, q_n, nsel, srow, one, B: tl.constexpr, C: tl.co
     tau = _score(lo.to(tl.int32))
     straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
     need = nsel - n_above
-    n = q_n * 0
-    e = q_n * 0
-    for start in range(0, q_n, SCATTER):
-        jj = start + tl.arange(0, SCATTER)
-        n, e = _scatter(_load_scores(lrow, stride_ls, jj, q_n), jj, tau, straddle, need, srow, n, e, nsel)
+    n, e = _scatter(x, _slots(0, off, B // VEC), tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
+    if LONG:
+        for start in range(B, q_n + off, C):
+            more = _block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE)
+            n, e = _scatter(more, _slots(start, off, C // VEC), tau, straddle, need, srow, n, e, nsel)
 
 
 @triton.jit
@@ -144,7 +160,7 @@ def _kpool_select_kernel(
     logits_ptr, stride_lm, stride_ls, q_lo_ptr, q_n_ptr, tail_start_ptr, tail_len_ptr,
     out_ptr, scratch_ptr, W, K, TOPK,
     P: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, LONG: tl.constexpr,
-    CHUNK: tl.constexpr, SCATTER: tl.constexpr, OUT: tl.constexpr,
+    CHUNK: tl.constexpr, OUT: tl.constexpr, WHOLE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     q_lo = tl.load(q_lo_ptr + row)
@@ -155,14 +171,16 @@ def _kpool_select_kernel(
     srow = scratch_ptr + row * K
     pick = q_n > K
     if pick:
-        lrow = logits_ptr + row * stride_lm + q_lo * stride_ls
-        level = 0  # the smallest block BLOCK >> level that holds q_n (level < LEVELS)
+        q_al = (q_lo // VEC) * VEC  # aligned start: 16-byte loads when the row and stride allow
+        off = (q_lo - q_al).to(tl.int32)
+        lrow = logits_ptr + row * stride_lm + q_al * stride_ls
+        level = 0  # the smallest block BLOCK >> level that holds off + q_n (level < LEVELS)
         for lv in tl.static_range(1, LEVELS):
-            level += (q_n <= (BLOCK >> lv)).to(tl.int32)
+            level += (q_n + off <= (BLOCK >> lv)).to(tl.int32)
         one = (q_lo >= 0).to(tl.int32)  # 1, opaque to the compiler (see _count_ge)
         for lv in tl.static_range(LEVELS):
             if level == lv:
-                _select_top(lrow, stride_ls, q_n, nsel, srow, one, BLOCK >> lv, CHUNK, LONG and lv == 0, SCATTER)
+                _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, BLOCK >> lv, CHUNK, LONG and lv == 0, WHOLE)
         tl.debug_barrier()  # the scratch row is read back by other threads
     # else every visible pool is selected: pool tokens are the document's first P·q_n tokens
     doc_start = (t_start - P * q_n).to(tl.int32)
@@ -209,9 +227,12 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     levels = 2 if BLOCK // 2 > K and BLOCK >= 64 else 1  # resident blocks BLOCK (, BLOCK/2)
     warps = 1 if BLOCK <= ONE_WARP else max(MIN_WARPS_WIDE, BLOCK // 2048)
     q_lo, q_n, tail_start, tail_len = (t.contiguous() for t in (q_lo, q_n, tail_start, tail_len))
+    vec = VEC.value
+    last_col = logits.storage_offset() + (M - 1) * logits.stride(0) + triton.cdiv(S, vec) * vec  # of whole vectors
+    whole = logits.stride(1) == 1 and last_col * logits.element_size() <= logits.untyped_storage().nbytes()
     _kpool_select_kernel[(M,)](
         logits, logits.stride(0), logits.stride(1), q_lo, q_n, tail_start, tail_len, out, scratch,
         W, K, topk, P=P, COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK,
-        CHUNK=min(BLOCK, 512 * warps), SCATTER=min(BLOCK, SCATTER_PER_WARP * warps), OUT=min(OUT_CHUNK, triton.next_power_of_2(W)),
-        num_warps=warps, maxnreg=_register_cap(BLOCK, warps))
+        CHUNK=min(BLOCK, 512 * warps), OUT=min(OUT_CHUNK, triton.next_power_of_2(W)),
+        WHOLE=whole, num_warps=warps, maxnreg=_register_cap(BLOCK, warps))
     return out
