@@ -41,7 +41,7 @@ MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MA
 ONE_WARP_REGS = 128  # H200, 2048 pools: 164 us at 128 registers per thread, 188 at 168, 172-181 at 80-104
 REG_HEADROOM = 24  # wider rows: registers = resident scores per thread + 24 (H200: 4096 pools, 4 warps: 481 us
 # at 168 registers, 387 at 56; 8192 pools, 4 warps: 1751 us at 168, 1313 at 88, 1301-1303 at 80 and 96)
-OUT_CHUNK = 512  # output columns written per pass (H200, 4096 pools: 286 us at 512, 291 at 1024)
+OUT_CHUNK = 64  # tail and -1 columns written per pass
 VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
 
@@ -159,7 +159,7 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
 def _kpool_select_kernel(
     logits_ptr, stride_lm, stride_ls, q_lo_ptr, q_n_ptr, tail_start_ptr, tail_len_ptr,
     out_ptr, scratch_ptr, W, K, TOPK,
-    P: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, LONG: tl.constexpr,
+    P: tl.constexpr, PP: tl.constexpr, KP: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, LONG: tl.constexpr,
     CHUNK: tl.constexpr, OUT: tl.constexpr, WHOLE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -182,19 +182,23 @@ def _kpool_select_kernel(
             if level == lv:
                 _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, BLOCK >> lv, CHUNK, LONG and lv == 0, WHOLE)
         tl.debug_barrier()  # the scratch row is read back by other threads
-    # else every visible pool is selected: pool tokens are the document's first P·q_n tokens
-    doc_start = (t_start - P * q_n).to(tl.int32)
+    # the P tokens of each selected pool (else of every visible one: slot = kj)
+    kj = tl.arange(0, KP)
+    slot = tl.load(srow + kj, mask=(kj < nsel) & pick, other=0)
+    slot = tl.where(pick, slot, kj)
+    i = tl.arange(0, PP)
+    first = (t_start - P * q_n).to(tl.int32) + P * slot  # document start + P·slot
+    orow = out_ptr + row * W
+    tl.store(orow + kj[:, None] * P + i[None, :], first[:, None] + i[None, :],
+             mask=(kj < nsel)[:, None] & (i < P)[None, :])
+    # then the tail tokens and -1 over the remaining columns
     n_tok = nsel * P
     base = n_tok if COMPACT else TOPK + 0 * n_tok
-    orow = out_ptr + row * W
-    for c0 in range(0, W, OUT):
+    for c0 in range(n_tok, W, OUT):
         col = c0 + tl.arange(0, OUT)
-        in_pool = col < n_tok
-        slot = tl.load(srow + col // P, mask=in_pool & pick, other=0)
-        pool_tok = doc_start + tl.where(pick, P * slot + col % P, col)
         jt = col - base
-        tail_tok = tl.where((jt >= 0) & (jt < t_len), t_start.to(tl.int32) + jt, -1)
-        tl.store(orow + col, tl.where(in_pool, pool_tok, tail_tok), mask=col < W)
+        tail = tl.where((jt >= 0) & (jt < t_len), t_start.to(tl.int32) + jt, -1)
+        tl.store(orow + col, tail, mask=col < W)
 
 
 def _register_cap(block: int, warps: int) -> int:
@@ -232,7 +236,7 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     whole = logits.stride(1) == 1 and last_col * logits.element_size() <= logits.untyped_storage().nbytes()
     _kpool_select_kernel[(M,)](
         logits, logits.stride(0), logits.stride(1), q_lo, q_n, tail_start, tail_len, out, scratch,
-        W, K, topk, P=P, COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK,
+        W, K, topk, P=P, PP=triton.next_power_of_2(P), KP=max(16, triton.next_power_of_2(K)), COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK,
         CHUNK=min(BLOCK, 512 * warps), OUT=min(OUT_CHUNK, triton.next_power_of_2(W)),
         WHOLE=whole, num_warps=warps, maxnreg=_register_cap(BLOCK, warps))
     return out
