@@ -197,6 +197,22 @@ def test_select_matches_reference(kt, tail):
     assert bad.numel() == 0, f"token ids differ in rows {bad.tolist()}: {got[bad[:2]].tolist()} vs {want[bad[:2]].tolist()}"
 
 
+def test_select_whole_vector_reads_equal_slot_reads(kt):
+    """The padded workspace view is read in whole 16-byte vectors, a tight tensor whose last row
+    ends mid-vector slot by slot: same ids, equal to the reference."""
+    ksel = importlib.import_module("inductor_ext.kernels.kpool_select_triton")
+    T, rows = _layout(LENGTHS)
+    S = T // P
+    assert S % 4 != 0
+    padded = workspace.logits_view(T, S, 32, "legacy", "cpu")
+    padded.copy_(torch.randn(T, S, generator=torch.Generator().manual_seed(6)))
+    tight = padded.contiguous()
+    assert ksel._whole_vectors(padded) and not ksel._whole_vectors(tight)
+    want = ref.select_reference(padded, *rows[1:], 8, P, "compact")
+    for logits in (padded, tight):
+        assert torch.equal(kt.kpool_select_fwd(logits, *rows[1:], 8, P, "compact"), want)
+
+
 def test_select_ties_lower_pool_first(kt):
     """Exact ties (scores in {0, 1, 2}, incl. -0.0): kernel and reference both take the lower
     pools among equal scores and list the picks in ascending pool order."""

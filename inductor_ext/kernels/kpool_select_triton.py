@@ -7,24 +7,27 @@ over int32 keys whose integer order is the float order (sign-magnitude to two's 
 ``-0.0`` and ``+0.0`` are both 0, as they compare equal).
 
 - ``q_n <= K``: every visible pool is selected; no score is read.
-- otherwise the visible scores are read once into registers (a resident block B of slots: BLOCK =
-  next_pow2(S) capped at MAX_BLOCK, or BLOCK/2 when that holds q_n; slots past MAX_BLOCK are
-  re-read on every pass):
+- otherwise the visible scores are read once into registers as ``[B/4, 4]``: a thread holds runs
+  of 4 consecutive slots, read as one 16-byte vector from the 16-byte-aligned slot at or before
+  q_lo (B = BLOCK = next_pow2(S) capped at MAX_BLOCK, or BLOCK/2 when that holds the row; slots
+  past MAX_BLOCK are re-read on every pass):
   1. threshold ``tau`` = the nsel-th largest score, by bisection over the keys of [min, max]: each
      step one compare + select + add per resident score and one block sum; at most 32 steps,
      ending early as soon as exactly nsel scores reach the probe (then those are the answer);
   2. the selected slots (scores > tau, then the lowest slots whose score is tau until nsel are
-     taken) go to a per-row scratch row at their rank in slot order: one prefix sum per pass
-     (two when ties at tau straddle the cut).
-- one pass over the output columns writes each selected pool's P tokens (document start + P·slot +
-  i), then the visible tail tokens and -1 padding (``compact``: tail right after the pools;
-  ``fixed``: at columns topk .. topk+P-2). The ``compact`` row is ascending token ids, then -1.
+     taken) go, straight from the registers, to a per-row scratch row at their rank in slot
+     order: a prefix sum within each thread's run of 4 and one block scan over the runs (a second
+     one when ties at tau straddle the cut).
+- the P tokens of each selected pool (document start + P·slot + i) are stored as a ``[pools, P]``
+  block, then the visible tail tokens and -1 padding over the remaining columns (``compact``:
+  tail right after the pools; ``fixed``: at columns topk .. topk+P-2). A ``compact`` row is
+  ascending token ids, then -1.
 
 Cost per selecting row: one read of the q_n visible scores; 11-18 bisection steps on continuous
-scores (32 at most), each about 3 instructions per resident score and one block reduction; one or
-two block prefix sums per scatter pass; the write of ``topk + P - 1`` ids. Rows are chains of dependent block
-reductions, so the register cap (:func:`_register_cap`) sets how many share an SM. Static shapes
-only, no host sync. NaN scores are not supported.
+scores (32 at most), each about 4 instructions per resident score (compare, select, add, and the
+step's share of the block sum); one scatter; the write of ``topk + P - 1`` ids. The kernel is
+issue-bound (H200, 4096 pools, Nsight Compute: 0.77 instructions issued per scheduler cycle, the
+bisection about half of them). Static shapes only, no host sync. NaN scores are not supported.
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ import triton.language as tl
 __all__ = ["kpool_select_fwd"]
 
 ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident scores per thread
-MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 1 warp 653 us, 2: 551, 4: 481, 8: 726)
+MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 2 warps 270 us, 4: 238, 8: 285)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
-ONE_WARP_REGS = 128  # H200, 2048 pools: 164 us at 128 registers per thread, 188 at 168, 172-181 at 80-104
-REG_HEADROOM = 24  # wider rows: registers = resident scores per thread + 24 (H200: 4096 pools, 4 warps: 481 us
-# at 168 registers, 387 at 56; 8192 pools, 4 warps: 1751 us at 168, 1313 at 88, 1301-1303 at 80 and 96)
+ONE_WARP_REGS = 128  # measured on the session-7 kernel (2048 pools: 164 us at 128 registers, 188 at 168)
+REG_HEADROOM = 24  # wider rows: registers = resident scores per thread + 24 (H200, 4096 pools, 4 warps:
+# 238 us at 56 registers, 237 at 72, 272 at 88)
 OUT_CHUNK = 64  # tail and -1 columns written per pass
 VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
@@ -159,8 +162,8 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
 def _kpool_select_kernel(
     logits_ptr, stride_lm, stride_ls, q_lo_ptr, q_n_ptr, tail_start_ptr, tail_len_ptr,
     out_ptr, scratch_ptr, W, K, TOPK,
-    P: tl.constexpr, PP: tl.constexpr, KP: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, LONG: tl.constexpr,
-    CHUNK: tl.constexpr, OUT: tl.constexpr, WHOLE: tl.constexpr,
+    P: tl.constexpr, PP: tl.constexpr, KP: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr,
+    LEVELS: tl.constexpr, LONG: tl.constexpr, CHUNK: tl.constexpr, OUT: tl.constexpr, WHOLE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     q_lo = tl.load(q_lo_ptr + row)
@@ -180,7 +183,8 @@ def _kpool_select_kernel(
         one = (q_lo >= 0).to(tl.int32)  # 1, opaque to the compiler (see _count_ge)
         for lv in tl.static_range(LEVELS):
             if level == lv:
-                _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, BLOCK >> lv, CHUNK, LONG and lv == 0, WHOLE)
+                _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, BLOCK >> lv, CHUNK, LONG and lv == 0,
+                            WHOLE)
         tl.debug_barrier()  # the scratch row is read back by other threads
     # the P tokens of each selected pool (else of every visible one: slot = kj)
     kj = tl.arange(0, KP)
@@ -201,9 +205,18 @@ def _kpool_select_kernel(
         tl.store(orow + col, tail, mask=col < W)
 
 
+def _whole_vectors(logits) -> bool:
+    """Whether every row may be read in whole 16-byte vectors: unit column stride, and the storage
+    extends past the last row's columns rounded up to a multiple of VEC (the scorer's padded
+    workspace always does). Reads past a row's S columns land in the next row or the padding."""
+    M, S = logits.shape
+    end = logits.storage_offset() + (M - 1) * logits.stride(0) + triton.cdiv(S, VEC.value) * VEC.value
+    return logits.stride(1) == 1 and end * logits.element_size() <= logits.untyped_storage().nbytes()
+
+
 def _register_cap(block: int, warps: int) -> int:
-    """Registers per thread: few enough for many rows per SM (each row is a chain of dependent
-    reductions, so rows in flight hide its latency), enough for the resident fp32 scores."""
+    """Registers per thread: few enough for many rows per SM, enough for the resident fp32 scores
+    (a few spill at 4096 pools: measured no slower than more registers and fewer rows)."""
     if warps == 1:
         return ONE_WARP_REGS
     return min(255, block // (32 * warps) + REG_HEADROOM)
@@ -231,12 +244,10 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
     levels = 2 if BLOCK // 2 > K and BLOCK >= 64 else 1  # resident blocks BLOCK (, BLOCK/2)
     warps = 1 if BLOCK <= ONE_WARP else max(MIN_WARPS_WIDE, BLOCK // 2048)
     q_lo, q_n, tail_start, tail_len = (t.contiguous() for t in (q_lo, q_n, tail_start, tail_len))
-    vec = VEC.value
-    last_col = logits.storage_offset() + (M - 1) * logits.stride(0) + triton.cdiv(S, vec) * vec  # of whole vectors
-    whole = logits.stride(1) == 1 and last_col * logits.element_size() <= logits.untyped_storage().nbytes()
     _kpool_select_kernel[(M,)](
         logits, logits.stride(0), logits.stride(1), q_lo, q_n, tail_start, tail_len, out, scratch,
-        W, K, topk, P=P, PP=triton.next_power_of_2(P), KP=max(16, triton.next_power_of_2(K)), COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK,
-        CHUNK=min(BLOCK, 512 * warps), OUT=min(OUT_CHUNK, triton.next_power_of_2(W)),
-        WHOLE=whole, num_warps=warps, maxnreg=_register_cap(BLOCK, warps))
+        W, K, topk, P=P, PP=triton.next_power_of_2(P), KP=max(16, triton.next_power_of_2(K)),
+        COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK, CHUNK=min(BLOCK, 512 * warps),
+        OUT=min(OUT_CHUNK, triton.next_power_of_2(W)), WHOLE=_whole_vectors(logits), num_warps=warps,
+        maxnreg=_register_cap(BLOCK, warps))
     return out
