@@ -9,8 +9,8 @@ over int32 keys whose integer order is the float order (sign-magnitude to two's 
 - ``q_n <= K``: every visible pool is selected; no score is read.
 - otherwise the visible scores are read once into registers as ``[B/4, 4]``: a thread holds runs
   of 4 consecutive slots, read as one 16-byte vector from the 16-byte-aligned slot at or before
-  q_lo (B = BLOCK = next_pow2(S) capped at MAX_BLOCK, or BLOCK/2 when that holds the row; slots
-  past MAX_BLOCK are re-read on every pass):
+  q_lo (B = BLOCK = next_pow2(S) capped at MAX_BLOCK, or the smallest of BLOCK/2, BLOCK/4 that
+  holds the row; slots past MAX_BLOCK are re-read on every pass):
   1. threshold ``tau`` = the nsel-th largest score, by bisection over the keys of [min, max]: each
      step one compare + select + add per resident score and one block sum; at most 32 steps,
      ending early as soon as exactly nsel scores reach the probe (then those are the answer);
@@ -44,6 +44,7 @@ MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MA
 ONE_WARP_REGS = 128  # measured on the session-7 kernel (2048 pools: 164 us at 128 registers, 188 at 168)
 REG_HEADROOM = 24  # wider rows: registers = resident scores per thread + 24 (H200, 4096 pools, 4 warps:
 # 238 us at 56 registers, 237 at 72, 272 at 88)
+MAX_LEVELS = 3  # resident block sizes compiled per kernel
 OUT_CHUNK = 64  # tail and -1 columns written per pass
 VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
@@ -73,14 +74,16 @@ def _block(lrow, stride_ls, start, off, q_n, R: tl.constexpr, WHOLE: tl.constexp
 
 @triton.jit
 def _key(x):
-    """int32 key of a (scalar) score: integer order = float order, -0.0 and +0.0 both 0."""
+    """uint32 key of a (scalar) score: unsigned order = float order, -0.0 and +0.0 both 2^31
+    (sign-magnitude to two's complement, then biased by 2^31)."""
     b = x.to(tl.int32, bitcast=True)
-    return tl.where(b < 0, -(b & 0x7FFFFFFF), b)
+    return (tl.where(b < 0, -(b & 0x7FFFFFFF), b) ^ _SIGN).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def _score(k):
-    """The score of an int32 key (0: +0.0); inverse of :func:`_key`."""
+def _score(u):
+    """The score of a uint32 key (2^31: +0.0); inverse of :func:`_key`."""
+    k = u.to(tl.int32, bitcast=True) ^ _SIGN
     return tl.where(k < 0, (-k) | _SIGN, k).to(tl.float32, bitcast=True)
 
 
@@ -135,20 +138,21 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
             more = _block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE)
             lo = tl.minimum(lo, tl.min(tl.min(tl.where(more == more, more, float("inf")), axis=1), axis=0))
             hi = tl.maximum(hi, tl.max(tl.max(tl.where(more == more, more, -float("inf")), axis=1), axis=0))
-    # over keys: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); int64: no overflow
-    lo = _key(lo).to(tl.int64)
-    hi = _key(hi).to(tl.int64)
+    # over keys: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); finite scores'
+    # keys span less than 2^32 - 1, so hi - lo + 1 does not wrap
+    lo = _key(lo)
+    hi = _key(hi)
     c_lo = q_n
     n_above = q_n * 0
     while lo < hi:
         mid = lo + ((hi - lo + 1) >> 1)
-        c = _count_ge(x, _score(mid.to(tl.int32)), one, lrow, stride_ls, off, q_n, B, C, LONG, WHOLE)
+        c = _count_ge(x, _score(mid), one, lrow, stride_ls, off, q_n, B, C, LONG, WHOLE)
         up = c >= nsel  # on an exact hit the keys >= mid are the answer: stop there
         lo = tl.where(up, mid, lo)
         c_lo = tl.where(up, c, c_lo)
         hi = tl.where(c == nsel, mid, tl.where(up, hi, mid - 1))
         n_above = tl.where(up, n_above, c)
-    tau = _score(lo.to(tl.int32))
+    tau = _score(lo)
     straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
     need = nsel - n_above
     n, e = _scatter(x, _slots(0, off, B // VEC), tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
@@ -241,7 +245,9 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
         return out
     scratch = torch.empty(M, max(K, 1), dtype=torch.int32, device=logits.device)
     BLOCK = min(max(32, triton.next_power_of_2(S)), MAX_BLOCK)
-    levels = 2 if BLOCK // 2 > K and BLOCK >= 64 else 1  # resident blocks BLOCK (, BLOCK/2)
+    levels = 1  # resident blocks BLOCK, BLOCK/2, ... (up to MAX_LEVELS) that still exceed K
+    while levels < MAX_LEVELS and BLOCK >> levels > K and BLOCK >> levels >= 32:
+        levels += 1
     warps = 1 if BLOCK <= ONE_WARP else max(MIN_WARPS_WIDE, BLOCK // 2048)
     q_lo, q_n, tail_start, tail_len = (t.contiguous() for t in (q_lo, q_n, tail_start, tail_len))
     _kpool_select_kernel[(M,)](
