@@ -9,8 +9,8 @@ over int32 keys whose integer order is the float order (sign-magnitude to two's 
 - ``q_n <= K``: every visible pool is selected; no score is read.
 - otherwise the visible scores are read once into registers as ``[B/4, 4]``: a thread holds runs
   of 4 consecutive slots, read as one 16-byte vector from the 16-byte-aligned slot at or before
-  q_lo (B = BLOCK = next_pow2(S) capped at MAX_BLOCK, or the smallest of BLOCK/2, BLOCK/4 that
-  holds the row; slots past MAX_BLOCK are re-read on every pass):
+  q_lo (B = BLOCK = next_pow2(S) capped at MAX_BLOCK, or BLOCK/2 when that holds the row; slots
+  past MAX_BLOCK are re-read on every pass):
   1. threshold ``tau`` = the nsel-th largest score, by bisection over the keys of [min, max]: each
      step one compare + select + add per resident score and one block sum; at most 32 steps,
      ending early as soon as exactly nsel scores reach the probe (then those are the answer);
@@ -44,7 +44,7 @@ MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MA
 ONE_WARP_REGS = 128  # measured on the session-7 kernel (2048 pools: 164 us at 128 registers, 188 at 168)
 REG_HEADROOM = 24  # wider rows: registers = resident scores per thread + 24 (H200, 4096 pools, 4 warps:
 # 238 us at 56 registers, 237 at 72, 272 at 88)
-MAX_LEVELS = 3  # resident block sizes compiled per kernel
+MAX_LEVELS = 2  # resident block sizes compiled per kernel (H200, 4096 pools: 2 sizes 231 us, 3 sizes 241)
 OUT_CHUNK = 64  # tail and -1 columns written per pass
 VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
