@@ -73,6 +73,19 @@ def _block(lrow, stride_ls, start, off, q_n, R: tl.constexpr, WHOLE: tl.constexp
 
 
 @triton.jit
+def _total(v):
+    """Sum over an ``[R, VEC]`` block."""
+    return tl.sum(tl.sum(v, axis=1), axis=0)
+
+
+@triton.jit
+def _min_max(x):
+    """(min, max) of a block's scores, NaN (slots outside the row) ignored."""
+    lo = tl.min(tl.min(tl.where(x == x, x, float("inf")), axis=1), axis=0)
+    return lo, tl.max(tl.max(tl.where(x == x, x, -float("inf")), axis=1), axis=0)
+
+
+@triton.jit
 def _key(x):
     """uint32 key of a (scalar) score: unsigned order = float order, -0.0 and +0.0 both 2^31
     (sign-magnitude to two's complement, then biased by 2^31)."""
@@ -92,11 +105,11 @@ def _count_ge(x, t, one, lrow, stride_ls, off, q_n, B: tl.constexpr, C: tl.const
               WHOLE: tl.constexpr):
     """#(visible scores >= t); x = the resident block, the rest re-read C at a time if LONG.
     ``one`` is a runtime 1: summing it, not the bool, compiles to compare + select + add."""
-    c = tl.sum(tl.sum(tl.where(x >= t, one, 0), axis=1), axis=0)
+    c = _total(tl.where(x >= t, one, 0))
     if LONG:
         for start in range(B, q_n + off, C):
             more = _block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE)
-            c += tl.sum(tl.sum(tl.where(more >= t, one, 0), axis=1), axis=0)
+            c += _total(tl.where(more >= t, one, 0))
     return c
 
 
@@ -118,10 +131,10 @@ def _scatter(x, slot, tau, straddle, need, srow, n0, e0, nsel):
     if straddle:
         eq = x == tau
         sel = (x > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))
-        e0 += tl.sum(tl.sum(eq.to(tl.int32), axis=1), axis=0)
+        e0 += _total(eq.to(tl.int32))
     rank = n0 + _exclusive_prefix(sel)
     tl.store(srow + rank, slot, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
-    return n0 + tl.sum(tl.sum(sel.to(tl.int32), axis=1), axis=0), e0
+    return n0 + _total(sel.to(tl.int32)), e0
 
 
 @triton.jit
@@ -131,13 +144,12 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
     start, ``off`` slots before q_lo; the rest re-read C at a time if LONG): the nsel selected
     slots to srow[0:nsel], in slot order."""
     x = _block(lrow, stride_ls, 0, off, q_n, B // VEC, WHOLE)
-    lo = tl.min(tl.min(tl.where(x == x, x, float("inf")), axis=1), axis=0)
-    hi = tl.max(tl.max(tl.where(x == x, x, -float("inf")), axis=1), axis=0)
+    lo, hi = _min_max(x)
     if LONG:
         for start in range(B, q_n + off, C):
-            more = _block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE)
-            lo = tl.minimum(lo, tl.min(tl.min(tl.where(more == more, more, float("inf")), axis=1), axis=0))
-            hi = tl.maximum(hi, tl.max(tl.max(tl.where(more == more, more, -float("inf")), axis=1), axis=0))
+            more_lo, more_hi = _min_max(_block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE))
+            lo = tl.minimum(lo, more_lo)
+            hi = tl.maximum(hi, more_hi)
     # over keys: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); finite scores'
     # keys span less than 2^32 - 1, so hi - lo + 1 does not wrap
     lo = _key(lo)
