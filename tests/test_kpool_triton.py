@@ -445,7 +445,8 @@ def _check_select(kt, logits, rows, topk, tail):
 
 def _special_scores(T, S, seed):
     """Continuous scores per row, then rows of: all equal, few distinct values (ties straddling
-    the cut), +-0.0 with +inf and -3e38 mixed in, only negative, huge and tiny magnitudes."""
+    the cut), +-0.0 with +inf and -3e38 mixed in, only negative (-inf in 9 of 10 slots: -inf ties
+    straddle the cut of short rows), huge and tiny magnitudes."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, S, generator=g)
     kind = torch.arange(T) % 7
@@ -456,6 +457,7 @@ def _special_scores(T, S, seed):
     x[kind == 3, ::5] = float("inf")
     x[kind == 3, 1::7] = -3e38  # not -inf: the reference masks invisible slots with -inf
     x[kind == 4] = -x[kind == 4].abs() - 1.0
+    x[(kind == 4)[:, None] & (torch.arange(S) % 10 != 0)] = float("-inf")
     x[kind == 5] = x[kind == 5] * 1e30
     x[kind == 6] = x[kind == 6] * 1e-40  # subnormals
     return x

@@ -2,32 +2,38 @@
 
 One program per query row selects ``nsel = min(K, q_n)`` pools (``K = topk/P``) among the visible
 slots ``[q_lo, q_lo + q_n)`` and writes their tokens in ascending slot order. Scores stay fp32
-in registers (slots past q_n read as NaN, which no comparison counts); the threshold is searched
-over int32 keys whose integer order is the float order (sign-magnitude to two's complement:
-``-0.0`` and ``+0.0`` are both 0, as they compare equal).
+in registers (slots past q_n read as NaN, which no count includes); the threshold is searched
+over uint32 keys whose order is the float order (sign-magnitude to biased: ``-0.0`` and ``+0.0``
+share a key, as they compare equal).
 
 - ``q_n <= K``: every visible pool is selected; no score is read.
-- otherwise the visible scores are read once into registers as ``[B/4, 4]``: a thread holds runs
-  of 4 consecutive slots, read as one 16-byte vector from the 16-byte-aligned slot at or before
-  q_lo (B = BLOCK = next_pow2(S) capped at MAX_BLOCK, or BLOCK/2 when that holds the row; slots
-  past MAX_BLOCK are re-read on every pass):
-  1. threshold ``tau`` = the nsel-th largest score, by bisection over the keys of [min, max]: each
-     step one compare + select + add per resident score and one block sum; at most 32 steps,
-     ending early as soon as exactly nsel scores reach the probe (then those are the answer);
+- otherwise the visible scores are read once into registers as a ``[T, J, 4]`` block: thread t
+  holds the J·4 consecutive slots of run t, read as 16-byte vectors from the 16-byte-aligned slot
+  at or before q_lo (block = next_pow2(S) capped at MAX_BLOCK, or half that when it holds the
+  row; slots past MAX_BLOCK are re-read on every pass):
+  1. threshold ``tau`` = the nsel-th largest score. The key bracket starts at [min, max]; each
+     pass counts the scores at or above one probe key (one subtract and one shift-add per
+     resident score: the sign bits of ``probe - x``; then one block sum) and ends early when
+     exactly nsel reach it. Probes: the score a normal distribution with the row's mean and
+     deviation ranks nsel-th (a sum over heads is close to normal), then GUESS_SPREAD deviations
+     to the side the count points to, then the count-interpolated key, with a key bisection
+     after each interpolation that did not halve the bracket's count (so at most about twice the
+     bisection's 32 passes);
   2. the selected slots (scores > tau, then the lowest slots whose score is tau until nsel are
      taken) go, straight from the registers, to a per-row scratch row at their rank in slot
-     order: a prefix sum within each thread's run of 4 and one block scan over the runs (a second
+     order: prefix sums within each thread's run and one block scan over the runs (a second
      one when ties at tau straddle the cut).
 - the P tokens of each selected pool (document start + P·slot + i) are stored as a ``[pools, P]``
   block, then the visible tail tokens and -1 padding over the remaining columns (``compact``:
   tail right after the pools; ``fixed``: at columns topk .. topk+P-2). A ``compact`` row is
   ascending token ids, then -1.
 
-Cost per selecting row: one read of the q_n visible scores; 11-18 bisection steps on continuous
-scores (32 at most), each about 4 instructions per resident score (compare, select, add, and the
-step's share of the block sum); one scatter; the write of ``topk + P - 1`` ids. The kernel is
-issue-bound (H200, 4096 pools, Nsight Compute: 0.77 instructions issued per scheduler cycle, the
-bisection about half of them). Static shapes only, no host sync. NaN scores are not supported.
+Cost per selecting row: one read of the q_n visible scores; one pass for min, max and moments;
+counting passes (simulated on 4096 pools, top-512: about 7 on the H=32 FP8 pipeline's scores
+and on normal ones, 8-10 on uniform, ReLU-sum and exponential ones, 12 on log-normal ones,
+where bisection alone took 15.5, 15, 13, 14, 13 and 11); one scatter; the write of
+``topk + P - 1`` ids. The kernel is issue-bound (H200, Nsight Compute: 0.76 instructions issued
+per scheduler cycle). Static shapes only, no host sync. NaN scores are not supported.
 """
 
 from __future__ import annotations
@@ -39,50 +45,64 @@ import triton.language as tl
 __all__ = ["kpool_select_fwd"]
 
 ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident scores per thread
-MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 2 warps 270 us, 4: 238, 8: 285)
+MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 4 warps 178 us, 8: 235)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
 ONE_WARP_REGS = 128  # measured on the session-7 kernel (2048 pools: 164 us at 128 registers, 188 at 168)
-REG_HEADROOM = 24  # wider rows: registers = resident scores per thread + 24 (H200, 4096 pools, 4 warps:
-# 238 us at 56 registers, 237 at 72, 272 at 88)
+REG_HEADROOM = 40  # wider rows: registers = resident scores per thread + 40 (H200, 4096 pools, 4 warps:
+# 178 us at 56 registers, 167 at 64, 166-168 at 72)
 MAX_LEVELS = 2  # resident block sizes compiled per kernel (H200, 4096 pools: 2 sizes 231 us, 3 sizes 241)
 OUT_CHUNK = 64  # tail and -1 columns written per pass
 VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
+GUESS_SPREAD = tl.constexpr(0.05)  # second probe: deviations from the first
 
 
 @triton.jit
-def _slots(start, off, R: tl.constexpr):
-    """Slots of the ``[R, VEC]`` block at aligned offset ``start`` of the row: element (r, i) is
-    slot ``start + VEC·r + i - off``. Each thread holds whole rows of VEC consecutive slots."""
-    return start - off + tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+def _grid(start, T: tl.constexpr, J: tl.constexpr):
+    """Positions, from the aligned row start, of the ``[T, J, VEC]`` block at aligned offset
+    ``start``: (vector starts, elements), element (t, j, i) at ``start + VEC·(J·t + j) + i``. A
+    thread holds one t: J·VEC consecutive slots, so slot order needs a block scan over T only."""
+    v = start + (tl.arange(0, T)[:, None, None] * J + tl.arange(0, J)[None, :, None]) * VEC
+    return v, v + tl.arange(0, VEC)[None, None, :]
 
 
 @triton.jit
-def _block(lrow, stride_ls, start, off, q_n, R: tl.constexpr, WHOLE: tl.constexpr):
-    """Scores of the ``[R, VEC]`` block at aligned offset ``start`` (see :func:`_slots`); NaN
-    outside the visible slots [0, q_n) (never >=, > or == a threshold). WHOLE: read every
-    16-byte vector that holds a visible slot (one vector load; the row's storage extends to a
-    multiple of VEC), then blank the rest."""
-    r = start + tl.arange(0, R)[:, None] * VEC
-    e = r + tl.arange(0, VEC)[None, :]
-    ok = (e >= off) & (e < off + q_n)
+def _block(lrow, stride_ls, start, off, q_n, T: tl.constexpr, J: tl.constexpr, WHOLE: tl.constexpr):
+    """Scores of the block at ``start`` (see :func:`_grid`); NaN outside the visible slots
+    [0, q_n) (never >=, > or == a threshold). WHOLE: read every 16-byte vector that holds a
+    visible slot (one vector load; the row's storage extends to a multiple of VEC), then blank
+    the rest."""
+    r, e = _grid(start, T, J)
+    ok = _grid(start - off, T, J)[1].to(tl.uint32) < q_n.to(tl.uint32)  # slot in [0, q_n)
     if WHOLE:
-        x = tl.load(lrow + e * stride_ls, mask=(r + VEC > off) & (r < off + q_n), other=float("nan"))
+        x = tl.load(lrow + e * stride_ls, mask=(r + VEC > off) & (r < off + q_n))  # no fill: blanked next
         return tl.where(ok, x, float("nan"))
     return tl.load(lrow + e * stride_ls, mask=ok, other=float("nan"))
 
 
 @triton.jit
 def _total(v):
-    """Sum over an ``[R, VEC]`` block."""
-    return tl.sum(tl.sum(v, axis=1), axis=0)
+    """Sum over a ``[T, J, VEC]`` block."""
+    return tl.sum(tl.sum(tl.sum(v, axis=2), axis=1), axis=0)
 
 
 @triton.jit
-def _min_max(x):
-    """(min, max) of a block's scores, NaN (slots outside the row) ignored."""
-    lo = tl.min(tl.min(tl.where(x == x, x, float("inf")), axis=1), axis=0)
-    return lo, tl.max(tl.max(tl.where(x == x, x, -float("inf")), axis=1), axis=0)
+def _stats(x):
+    """(min, max, sum, sum of squares) of a block's scores, NaN (slots outside the row) ignored."""
+    ok = x == x
+    lo = tl.min(tl.min(tl.min(tl.where(ok, x, float("inf")), axis=2), axis=1), axis=0)
+    hi = tl.max(tl.max(tl.max(tl.where(ok, x, -float("inf")), axis=2), axis=1), axis=0)
+    v = tl.where(ok, x, 0.0)
+    return lo, hi, _total(v), _total(v * v)
+
+
+@triton.jit
+def _upper_normal_quantile(p):
+    """z with P(N(0,1) > z) = p, 0 < p < 1 (Abramowitz & Stegun 26.2.23, |error| < 4.5e-4): the
+    first probe's z-score. Only the probe sequence depends on it, never the result."""
+    t = tl.sqrt(-2.0 * tl.log(tl.minimum(p, 1.0 - p)))
+    z = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    return tl.where(p < 0.5, z, -z)
 
 
 @triton.jit
@@ -101,30 +121,43 @@ def _score(u):
 
 
 @triton.jit
-def _count_ge(x, t, one, lrow, stride_ls, off, q_n, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr,
-              WHOLE: tl.constexpr):
-    """#(visible scores >= t); x = the resident block, the rest re-read C at a time if LONG.
-    ``one`` is a runtime 1: summing it, not the bool, compiles to compare + select + add."""
-    c = _total(tl.where(x >= t, one, 0))
+def _above(x, t, one):
+    """#(scores of a block > t), NaN (blanked slots) never counted. For t > -inf: the sign bits of
+    ``t - x`` (one subtract + one shift-add per score; the sign of a nonzero difference survives
+    rounding, x == t gives +0.0, t - NaN is a positive NaN). At t = -inf, -inf - -inf is NaN of
+    either sign, so compare there (``one``: a runtime 1, see _kpool_select_kernel)."""
+    if t > float("-inf"):
+        c = _total((t - x).to(tl.uint32, bitcast=True) >> 31)
+    else:
+        c = _total(tl.where(x > t, one, 0)).to(tl.uint32)
+    return c.to(tl.int32)
+
+
+@triton.jit
+def _count_above(x, t, one, lrow, stride_ls, off, q_n, B: tl.constexpr, C: tl.constexpr, TC: tl.constexpr,
+                 LONG: tl.constexpr, WHOLE: tl.constexpr):
+    """#(visible scores > t); x = the resident block, the rest re-read C at a time if LONG."""
+    c = _above(x, t, one)
     if LONG:
         for start in range(B, q_n + off, C):
-            more = _block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE)
-            c += _total(tl.where(more >= t, one, 0))
+            c += _above(_block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE), t, one)
     return c
 
 
 @triton.jit
 def _exclusive_prefix(flags):
-    """Per element of an ``[R, VEC]`` block, how many earlier elements (slot order: row-major)
-    are set. The VEC elements of a row share a thread: one block scan over the R row counts."""
+    """Per element of a ``[T, J, VEC]`` block, how many earlier elements (slot order: row-major)
+    are set: one block scan over the T runs, the rest within each thread."""
     n = flags.to(tl.int32)
-    per_row = tl.sum(n, axis=1)
-    return (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(n, axis=1) - n
+    per_run = tl.sum(tl.sum(n, axis=2), axis=1)
+    in_run = tl.sum(tl.cumsum(n, axis=1) - n, axis=2)  # set in the run's earlier vectors
+    before = (tl.cumsum(per_run, axis=0) - per_run)[:, None] + in_run
+    return before[:, :, None] + tl.cumsum(n, axis=2) - n
 
 
 @triton.jit
-def _scatter(x, slot, tau, straddle, need, srow, n0, e0, nsel):
-    """Write the slots of the selected scores of a block to srow at their rank in slot order,
+def _scatter(x, pos, tau, straddle, need, srow, n0, e0, nsel):
+    """Write the positions (slot + off) of the selected scores of a block to srow at their rank in slot order,
     after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need`` (e0 taken
     before) when ties at tau straddle the cut (else every score >= tau). Returns (n0, e0) updated."""
     sel = x >= tau
@@ -133,45 +166,70 @@ def _scatter(x, slot, tau, straddle, need, srow, n0, e0, nsel):
         sel = (x > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))
         e0 += _total(eq.to(tl.int32))
     rank = n0 + _exclusive_prefix(sel)
-    tl.store(srow + rank, slot, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
+    tl.store(srow + rank, pos, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
     return n0 + _total(sel.to(tl.int32)), e0
 
 
 @triton.jit
 def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: tl.constexpr, LONG: tl.constexpr,
-                WHOLE: tl.constexpr):
+                WHOLE: tl.constexpr, LANES: tl.constexpr):
     """Steps 1-2 for q_n > nsel visible slots (resident block of B elements from the aligned row
     start, ``off`` slots before q_lo; the rest re-read C at a time if LONG): the nsel selected
     slots to srow[0:nsel], in slot order."""
-    x = _block(lrow, stride_ls, 0, off, q_n, B // VEC, WHOLE)
-    lo, hi = _min_max(x)
+    TB: tl.constexpr = min(LANES, B // VEC)
+    TC: tl.constexpr = min(LANES, C // VEC)
+    x = _block(lrow, stride_ls, 0, off, q_n, TB, B // (VEC * TB), WHOLE)
+    lo, hi, s1, s2 = _stats(x)
     if LONG:
         for start in range(B, q_n + off, C):
-            more_lo, more_hi = _min_max(_block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE))
+            more_lo, more_hi, more_s1, more_s2 = _stats(_block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC),
+                                                               WHOLE))
             lo = tl.minimum(lo, more_lo)
             hi = tl.maximum(hi, more_hi)
+            s1 += more_s1
+            s2 += more_s2
+    # first probe: the score a normal distribution of the row's mean and deviation puts at rank
+    # nsel (scores summed over heads are close to normal); the next on the side the count says,
+    # GUESS_SPREAD deviations away; then the count-interpolated key, a key bisection after every
+    # interpolation that did not halve the bracket's count (at most ~2x the bisection's steps)
+    mean = s1 / q_n
+    dev = tl.sqrt(tl.maximum(s2 / q_n - mean * mean, 0.0))
+    guess = mean + dev * _upper_normal_quantile((nsel - 0.5) / q_n)
     # over keys: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); finite scores'
     # keys span less than 2^32 - 1, so hi - lo + 1 does not wrap
     lo = _key(lo)
     hi = _key(hi)
     c_lo = q_n
     n_above = q_n * 0
+    probe = tl.minimum(tl.maximum(_key(guess), lo + 1), hi)
+    step = 0
+    halved = True
     while lo < hi:
-        mid = lo + ((hi - lo + 1) >> 1)
-        c = _count_ge(x, _score(mid), one, lrow, stride_ls, off, q_n, B, C, LONG, WHOLE)
-        up = c >= nsel  # on an exact hit the keys >= mid are the answer: stop there
-        lo = tl.where(up, mid, lo)
+        c = _count_above(x, _score(probe - 1), one, lrow, stride_ls, off, q_n, B, C, TC, LONG, WHOLE)  # >= probe
+        was = c_lo - n_above
+        up = c >= nsel  # on an exact hit the keys >= probe are the answer: stop there
+        lo = tl.where(up, probe, lo)
         c_lo = tl.where(up, c, c_lo)
-        hi = tl.where(c == nsel, mid, tl.where(up, hi, mid - 1))
+        hi = tl.where(c == nsel, probe, tl.where(up, hi, probe - 1))
         n_above = tl.where(up, n_above, c)
+        if step == 0:
+            nxt = _key(tl.where(up, guess + GUESS_SPREAD * dev, guess - GUESS_SPREAD * dev))
+        elif halved:
+            frac = (c_lo - nsel + 0.5) / (c_lo - n_above)  # where the count crosses nsel - 1/2
+            nxt = lo + ((hi - lo).to(tl.float32) * frac).to(tl.uint32)
+        else:
+            nxt = lo + ((hi - lo + 1) >> 1)
+        halved = (step == 0) | (not halved) | (2 * (c_lo - n_above) <= was)
+        probe = tl.minimum(tl.maximum(nxt, lo + 1), hi)
+        step += 1
     tau = _score(lo)
     straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
     need = nsel - n_above
-    n, e = _scatter(x, _slots(0, off, B // VEC), tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
+    n, e = _scatter(x, _grid(0, TB, B // (VEC * TB))[1], tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
     if LONG:
         for start in range(B, q_n + off, C):
-            more = _block(lrow, stride_ls, start, off, q_n, C // VEC, WHOLE)
-            n, e = _scatter(more, _slots(start, off, C // VEC), tau, straddle, need, srow, n, e, nsel)
+            more = _block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE)
+            n, e = _scatter(more, _grid(start, TC, C // (VEC * TC))[1], tau, straddle, need, srow, n, e, nsel)
 
 
 @triton.jit
@@ -180,6 +238,7 @@ def _kpool_select_kernel(
     out_ptr, scratch_ptr, W, K, TOPK,
     P: tl.constexpr, PP: tl.constexpr, KP: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr,
     LEVELS: tl.constexpr, LONG: tl.constexpr, CHUNK: tl.constexpr, OUT: tl.constexpr, WHOLE: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     q_lo = tl.load(q_lo_ptr + row)
@@ -189,22 +248,22 @@ def _kpool_select_kernel(
     nsel = tl.minimum(q_n, K)
     srow = scratch_ptr + row * K
     pick = q_n > K
+    q_al = (q_lo // VEC) * VEC  # aligned start: 16-byte loads when the row and stride allow
+    off = (q_lo - q_al).to(tl.int32)
     if pick:
-        q_al = (q_lo // VEC) * VEC  # aligned start: 16-byte loads when the row and stride allow
-        off = (q_lo - q_al).to(tl.int32)
         lrow = logits_ptr + row * stride_lm + q_al * stride_ls
         level = 0  # the smallest block BLOCK >> level that holds off + q_n (level < LEVELS)
         for lv in tl.static_range(1, LEVELS):
             level += (q_n + off <= (BLOCK >> lv)).to(tl.int32)
-        one = (q_lo >= 0).to(tl.int32)  # 1, opaque to the compiler (see _count_ge)
+        one = (q_lo >= 0).to(tl.int32)  # 1, opaque to the compiler: summed, it compiles to select + add
         for lv in tl.static_range(LEVELS):
             if level == lv:
                 _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, BLOCK >> lv, CHUNK, LONG and lv == 0,
-                            WHOLE)
+                            WHOLE, LANES)
         tl.debug_barrier()  # the scratch row is read back by other threads
     # the P tokens of each selected pool (else of every visible one: slot = kj)
     kj = tl.arange(0, KP)
-    slot = tl.load(srow + kj, mask=(kj < nsel) & pick, other=0)
+    slot = tl.load(srow + kj, mask=(kj < nsel) & pick, other=0) - off  # scratch: positions slot + off
     slot = tl.where(pick, slot, kj)
     i = tl.arange(0, PP)
     first = (t_start - P * q_n).to(tl.int32) + P * slot  # document start + P·slot
@@ -266,6 +325,6 @@ def kpool_select_fwd(logits, q_lo, q_n, tail_start, tail_len, topk: int, pool_si
         logits, logits.stride(0), logits.stride(1), q_lo, q_n, tail_start, tail_len, out, scratch,
         W, K, topk, P=P, PP=triton.next_power_of_2(P), KP=max(16, triton.next_power_of_2(K)),
         COMPACT=tail == "compact", BLOCK=BLOCK, LEVELS=levels, LONG=S > BLOCK, CHUNK=min(BLOCK, 512 * warps),
-        OUT=min(OUT_CHUNK, triton.next_power_of_2(W)), WHOLE=_whole_vectors(logits), num_warps=warps,
+        OUT=min(OUT_CHUNK, triton.next_power_of_2(W)), WHOLE=_whole_vectors(logits), LANES=32 * warps, num_warps=warps,
         maxnreg=_register_cap(BLOCK, warps))
     return out
