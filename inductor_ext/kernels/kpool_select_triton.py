@@ -45,12 +45,12 @@ import triton.language as tl
 __all__ = ["kpool_select_fwd"]
 
 ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident scores per thread
-MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 4 warps 178 us, 8: 235)
+MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 4 warps 166-170 us, 2: 196-229, 8: 235)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
 ONE_WARP_REGS = 128  # measured on the session-7 kernel (2048 pools: 164 us at 128 registers, 188 at 168)
 REG_HEADROOM = 40  # wider rows: registers = resident scores per thread + 40 (H200, 4096 pools, 4 warps:
 # 178 us at 56 registers, 167 at 64, 166-168 at 72)
-MAX_LEVELS = 2  # resident block sizes compiled per kernel (H200, 4096 pools: 2 sizes 231 us, 3 sizes 241)
+MAX_LEVELS = 2  # resident block sizes compiled per kernel (H200, 4096 pools: 2 sizes 168-170 us, 3 sizes 168-172)
 OUT_CHUNK = 64  # tail and -1 columns written per pass
 VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
@@ -122,25 +122,26 @@ def _score(u):
 
 @triton.jit
 def _above(x, t, one):
-    """#(scores of a block > t), NaN (blanked slots) never counted. For t > -inf: the sign bits of
-    ``t - x`` (one subtract + one shift-add per score; the sign of a nonzero difference survives
-    rounding, x == t gives +0.0, t - NaN is a positive NaN). At t = -inf, -inf - -inf is NaN of
-    either sign, so compare there (``one``: a runtime 1, see _kpool_select_kernel)."""
+    """Per score of a block, 1 if > t else 0 (int32; NaN, the blanked slots, never). For t > -inf:
+    the sign bit of ``t - x`` (one subtract and one shift per score: the sign of a nonzero
+    difference survives rounding, x == t gives +0.0, t - NaN is a positive NaN). At t = -inf,
+    -inf - -inf is NaN of either sign, so compare there (``one``: a runtime 1, see
+    _kpool_select_kernel)."""
     if t > float("-inf"):
-        c = _total((t - x).to(tl.uint32, bitcast=True) >> 31)
+        flags = ((t - x).to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
     else:
-        c = _total(tl.where(x > t, one, 0)).to(tl.uint32)
-    return c.to(tl.int32)
+        flags = tl.where(x > t, one, 0)
+    return flags
 
 
 @triton.jit
 def _count_above(x, t, one, lrow, stride_ls, off, q_n, B: tl.constexpr, C: tl.constexpr, TC: tl.constexpr,
                  LONG: tl.constexpr, WHOLE: tl.constexpr):
     """#(visible scores > t); x = the resident block, the rest re-read C at a time if LONG."""
-    c = _above(x, t, one)
+    c = _total(_above(x, t, one))
     if LONG:
         for start in range(B, q_n + off, C):
-            c += _above(_block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE), t, one)
+            c += _total(_above(_block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE), t, one))
     return c
 
 
@@ -156,18 +157,24 @@ def _exclusive_prefix(flags):
 
 
 @triton.jit
-def _scatter(x, pos, tau, straddle, need, srow, n0, e0, nsel):
-    """Write the positions (slot + off) of the selected scores of a block to srow at their rank in slot order,
-    after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need`` (e0 taken
-    before) when ties at tau straddle the cut (else every score >= tau). Returns (n0, e0) updated."""
-    sel = x >= tau
+def _scatter(x, pos, tau, straddle, need, srow, n0, e0, nsel, one):
+    """Write the positions (slot + off) of the selected scores of a block to srow at their rank in
+    slot order, after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need``
+    (e0 taken before) when ties at tau straddle the cut (else every score >= tau, i.e. every score
+    above the float just below tau). Returns (n0, e0) updated."""
     if straddle:
         eq = x == tau
-        sel = (x > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))
+        sel = ((x > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))).to(tl.int32)
         e0 += _total(eq.to(tl.int32))
+    else:
+        below = _score(_key(tau) - 1)  # the float just below tau (NaN for tau = -inf)
+        if below == below:
+            sel = _above(x, below, one)
+        else:
+            sel = tl.where(x >= tau, one, 0)
     rank = n0 + _exclusive_prefix(sel)
-    tl.store(srow + rank, pos, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
-    return n0 + _total(sel.to(tl.int32)), e0
+    tl.store(srow + rank, pos, mask=(sel != 0) & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
+    return n0 + _total(sel), e0
 
 
 @triton.jit
@@ -225,11 +232,11 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
     tau = _score(lo)
     straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
     need = nsel - n_above
-    n, e = _scatter(x, _grid(0, TB, B // (VEC * TB))[1], tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
+    n, e = _scatter(x, _grid(0, TB, B // (VEC * TB))[1], tau, straddle, need, srow, q_n * 0, q_n * 0, nsel, one)
     if LONG:
         for start in range(B, q_n + off, C):
             more = _block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE)
-            n, e = _scatter(more, _grid(start, TC, C // (VEC * TC))[1], tau, straddle, need, srow, n, e, nsel)
+            n, e = _scatter(more, _grid(start, TC, C // (VEC * TC))[1], tau, straddle, need, srow, n, e, nsel, one)
 
 
 @triton.jit
