@@ -122,26 +122,25 @@ def _score(u):
 
 @triton.jit
 def _above(x, t, one):
-    """Per score of a block, 1 if > t else 0 (int32; NaN, the blanked slots, never). For t > -inf:
-    the sign bit of ``t - x`` (one subtract and one shift per score: the sign of a nonzero
-    difference survives rounding, x == t gives +0.0, t - NaN is a positive NaN). At t = -inf,
-    -inf - -inf is NaN of either sign, so compare there (``one``: a runtime 1, see
-    _kpool_select_kernel)."""
+    """#(scores of a block > t), NaN (blanked slots) never counted. For t > -inf: the sign bits of
+    ``t - x`` (one subtract + one shift-add per score; the sign of a nonzero difference survives
+    rounding, x == t gives +0.0, t - NaN is a positive NaN). At t = -inf, -inf - -inf is NaN of
+    either sign, so compare there (``one``: a runtime 1, see _kpool_select_kernel)."""
     if t > float("-inf"):
-        flags = ((t - x).to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+        c = _total((t - x).to(tl.uint32, bitcast=True) >> 31)
     else:
-        flags = tl.where(x > t, one, 0)
-    return flags
+        c = _total(tl.where(x > t, one, 0)).to(tl.uint32)
+    return c.to(tl.int32)
 
 
 @triton.jit
 def _count_above(x, t, one, lrow, stride_ls, off, q_n, B: tl.constexpr, C: tl.constexpr, TC: tl.constexpr,
                  LONG: tl.constexpr, WHOLE: tl.constexpr):
     """#(visible scores > t); x = the resident block, the rest re-read C at a time if LONG."""
-    c = _total(_above(x, t, one))
+    c = _above(x, t, one)
     if LONG:
         for start in range(B, q_n + off, C):
-            c += _total(_above(_block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE), t, one))
+            c += _above(_block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE), t, one)
     return c
 
 
@@ -157,24 +156,18 @@ def _exclusive_prefix(flags):
 
 
 @triton.jit
-def _scatter(x, pos, tau, straddle, need, srow, n0, e0, nsel, one):
-    """Write the positions (slot + off) of the selected scores of a block to srow at their rank in
-    slot order, after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need``
-    (e0 taken before) when ties at tau straddle the cut (else every score >= tau, i.e. every score
-    above the float just below tau). Returns (n0, e0) updated."""
+def _scatter(x, pos, tau, straddle, need, srow, n0, e0, nsel):
+    """Write the positions (slot + off) of the selected scores of a block to srow at their rank in slot order,
+    after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need`` (e0 taken
+    before) when ties at tau straddle the cut (else every score >= tau). Returns (n0, e0) updated."""
+    sel = x >= tau
     if straddle:
         eq = x == tau
-        sel = ((x > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))).to(tl.int32)
+        sel = (x > tau) | (eq & (e0 + _exclusive_prefix(eq) < need))
         e0 += _total(eq.to(tl.int32))
-    else:
-        below = _score(_key(tau) - 1)  # the float just below tau (NaN for tau = -inf)
-        if below == below:
-            sel = _above(x, below, one)
-        else:
-            sel = tl.where(x >= tau, one, 0)
     rank = n0 + _exclusive_prefix(sel)
-    tl.store(srow + rank, pos, mask=(sel != 0) & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
-    return n0 + _total(sel), e0
+    tl.store(srow + rank, pos, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
+    return n0 + _total(sel.to(tl.int32)), e0
 
 
 @triton.jit
@@ -232,11 +225,11 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
     tau = _score(lo)
     straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
     need = nsel - n_above
-    n, e = _scatter(x, _grid(0, TB, B // (VEC * TB))[1], tau, straddle, need, srow, q_n * 0, q_n * 0, nsel, one)
+    n, e = _scatter(x, _grid(0, TB, B // (VEC * TB))[1], tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
     if LONG:
         for start in range(B, q_n + off, C):
             more = _block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE)
-            n, e = _scatter(more, _grid(start, TC, C // (VEC * TC))[1], tau, straddle, need, srow, n, e, nsel, one)
+            n, e = _scatter(more, _grid(start, TC, C // (VEC * TC))[1], tau, straddle, need, srow, n, e, nsel)
 
 
 @triton.jit
