@@ -17,8 +17,9 @@ share a key, as they compare equal).
      exactly nsel reach it. Probes: the score a normal distribution with the row's mean and
      deviation ranks nsel-th (a sum over heads is close to normal), then GUESS_SPREAD deviations
      to the side the count points to, then the count-interpolated key, with a key bisection
-     after each interpolation that did not halve the bracket's count (so at most about twice the
-     bisection's 32 passes);
+     after each interpolation that did not halve the bracket's count (so at most
+     2 + log2(q_n) + 2·32 passes: interpolations that halve the count, the others each paired
+     with a bisection);
   2. the selected slots (scores > tau, then the lowest slots whose score is tau until nsel are
      taken) go, straight from the registers, to a per-row scratch row at their rank in slot
      order: prefix sums within each thread's run and one block scan over the runs (a second
@@ -29,11 +30,13 @@ share a key, as they compare equal).
   ascending token ids, then -1.
 
 Cost per selecting row: one read of the q_n visible scores; one pass for min, max and moments;
-counting passes (simulated on 4096 pools, top-512: about 7 on the H=32 FP8 pipeline's scores
-and on normal ones, 8-10 on uniform, ReLU-sum and exponential ones, 12 on log-normal ones,
-where bisection alone took 15.5, 15, 13, 14, 13 and 11); one scatter; the write of
-``topk + P - 1`` ids. The kernel is issue-bound (H200, Nsight Compute: 0.76 instructions issued
-per scheduler cycle). Static shapes only, no host sync. NaN scores are not supported.
+the counting passes (``notes/select_passes.py``, top-512 of 1024-4096: 6.2 on average on sampled
+rows of the H=32 FP8 pipeline's scores, 6-7 on normal, ReLU-sum and uniform scores, 9 on
+exponential, 12 on log-normal, 24 on 50 distinct integers, where key bisection alone takes 15.5,
+12-15, 13.5, 12 and 30; on the H200, Nsight Compute counted 5.8 per 4096-pool row of random
+scores); one scatter; the write of ``topk + P - 1`` ids. Instructions issued per scheduler cycle
+0.77 (H200): the kernel is mostly issue-bound, the rest waits on memory and block barriers.
+Static shapes only, no host sync. NaN scores are not supported.
 """
 
 from __future__ import annotations
@@ -188,10 +191,9 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
             hi = tl.maximum(hi, more_hi)
             s1 += more_s1
             s2 += more_s2
-    # first probe: the score a normal distribution of the row's mean and deviation puts at rank
-    # nsel (scores summed over heads are close to normal); the next on the side the count says,
-    # GUESS_SPREAD deviations away; then the count-interpolated key, a key bisection after every
-    # interpolation that did not halve the bracket's count (at most ~2x the bisection's steps)
+    # probes (module docstring): the normal guess from the row's mean and deviation, GUESS_SPREAD
+    # deviations to the side its count points to, then count-interpolated keys, a key bisection
+    # after every interpolation that did not halve the bracket's count
     mean = s1 / q_n
     dev = tl.sqrt(tl.maximum(s2 / q_n - mean * mean, 0.0))
     guess = mean + dev * _upper_normal_quantile((nsel - 0.5) / q_n)
