@@ -48,7 +48,8 @@ import triton.language as tl
 __all__ = ["kpool_select_fwd"]
 
 ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident scores per thread
-MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 4 warps 166-170 us, 2: 196-229, 8: 235)
+MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 2 warps 196-229 us against
+# 166-170 at 4; 8 warps 235 against 193 on this session's first version)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
 ONE_WARP_REGS = 128  # measured on the session-7 kernel (2048 pools: 164 us at 128 registers, 188 at 168)
 REG_HEADROOM = 40  # wider rows: registers = resident scores per thread + 40 (H200, 4096 pools, 4 warps:
@@ -160,9 +161,10 @@ def _exclusive_prefix(flags):
 
 @triton.jit
 def _scatter(x, pos, tau, straddle, need, srow, n0, e0, nsel):
-    """Write the positions (slot + off) of the selected scores of a block to srow at their rank in slot order,
-    after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need`` (e0 taken
-    before) when ties at tau straddle the cut (else every score >= tau). Returns (n0, e0) updated."""
+    """Write the positions (slot + off) of the selected scores of a block to srow at their rank in
+    slot order, after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need``
+    (e0 taken before) when ties at tau straddle the cut (else every score >= tau). Returns (n0, e0)
+    updated."""
     sel = x >= tau
     if straddle:
         eq = x == tau
