@@ -73,14 +73,15 @@ def main():
         "exponential": lambda n: rng.exponential(size=n),
         "50 integers": lambda n: rng.integers(0, 50, n),
     }
-    rows = {name: [make(n).astype(np.float32) for n in (4096, 2048, 1024) for _ in range(15)] for name, make in sets.items()}
+    rows = {name: [make(n).astype(np.float32) for n in (4096, 2048, 1024) for _ in range(15)]
+            for name, make in sets.items()}
     if len(sys.argv) > 1:
         import torch
 
         d = torch.load(sys.argv[1])
         logits, q_lo, q_n = d["logits"].numpy(), d["q_lo"].numpy(), d["q_n"].numpy()
         rows["real rows"] = [logits[r, q_lo[r]:q_lo[r] + q_n[r]] for r in range(len(logits)) if q_n[r] > NSEL]
-    print(f"| scores | rows | bisection passes (mean / max) | probes (mean / max) |\n| --- | --- | --- | --- |")
+    print("| scores | rows | bisection passes (mean / max) | probes (mean / max) |\n| --- | --- | --- | --- |")
     for name, xs in rows.items():
         b = np.array([passes(x, guess=False) for x in xs])
         p = np.array([passes(x) for x in xs])
