@@ -47,11 +47,12 @@ import triton.language as tl
 
 __all__ = ["kpool_select_fwd"]
 
-ONE_WARP = 2048  # up to 2048 pools per row: one warp, up to 64 register-resident scores per thread
+ONE_WARP = 512  # up to 512 pools per row: one warp (H200, top-2048: 1024 pools 26.5 us on 4 warps
+# against 33 on one, 2048 pools 55 against 86)
 MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 2 warps 196-229 us against
 # 166-170 at 4; 8 warps 235 against 193 on this session's first version)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
-ONE_WARP_REGS = 128  # measured on the session-7 kernel (2048 pools: 164 us at 128 registers, 188 at 168)
+ONE_WARP_REGS = 128  # session-7 kernel, 2048 pools on one warp: 164 us at 128 registers, 188 at 168
 REG_HEADROOM = 40  # wider rows: registers = resident scores per thread + 40 (H200, 4096 pools, 4 warps:
 # 178 us at 56 registers, 167 at 64, 166-168 at 72)
 MAX_LEVELS = 2  # resident block sizes compiled per kernel (H200, 4096 pools: 2 sizes 168-170 us, 3 sizes 168-172)
