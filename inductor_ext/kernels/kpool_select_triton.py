@@ -140,12 +140,12 @@ def _above(x, t, one):
 
 @triton.jit
 def _count_above(x, t, one, lrow, stride_ls, off, q_n, B: tl.constexpr, C: tl.constexpr, TC: tl.constexpr,
-                 LONG: tl.constexpr, WHOLE: tl.constexpr):
-    """#(visible scores > t); x = the resident block, the rest re-read C at a time if LONG."""
+                 JC: tl.constexpr, LONG: tl.constexpr, WHOLE: tl.constexpr):
+    """#(visible scores > t); x = the resident block, the rest re-read C = TC·JC·VEC at a time if LONG."""
     c = _above(x, t, one)
     if LONG:
         for start in range(B, q_n + off, C):
-            c += _above(_block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE), t, one)
+            c += _above(_block(lrow, stride_ls, start, off, q_n, TC, JC, WHOLE), t, one)
     return c
 
 
@@ -182,14 +182,15 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
     """Steps 1-2 for q_n > nsel visible slots (resident block of B elements from the aligned row
     start, ``off`` slots before q_lo; the rest re-read C at a time if LONG): the nsel selected
     slots to srow[0:nsel], in slot order."""
-    TB: tl.constexpr = min(LANES, B // VEC)
+    TB: tl.constexpr = min(LANES, B // VEC)  # [TB, JB, VEC] resident block, [TC, JC, VEC] re-read chunks
+    JB: tl.constexpr = B // (VEC * TB)
     TC: tl.constexpr = min(LANES, C // VEC)
-    x = _block(lrow, stride_ls, 0, off, q_n, TB, B // (VEC * TB), WHOLE)
+    JC: tl.constexpr = C // (VEC * TC)
+    x = _block(lrow, stride_ls, 0, off, q_n, TB, JB, WHOLE)
     lo, hi, s1, s2 = _stats(x)
     if LONG:
         for start in range(B, q_n + off, C):
-            more_lo, more_hi, more_s1, more_s2 = _stats(_block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC),
-                                                               WHOLE))
+            more_lo, more_hi, more_s1, more_s2 = _stats(_block(lrow, stride_ls, start, off, q_n, TC, JC, WHOLE))
             lo = tl.minimum(lo, more_lo)
             hi = tl.maximum(hi, more_hi)
             s1 += more_s1
@@ -210,7 +211,7 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
     step = 0
     halved = True
     while lo < hi:
-        c = _count_above(x, _score(probe - 1), one, lrow, stride_ls, off, q_n, B, C, TC, LONG, WHOLE)  # >= probe
+        c = _count_above(x, _score(probe - 1), one, lrow, stride_ls, off, q_n, B, C, TC, JC, LONG, WHOLE)  # >= probe
         was = c_lo - n_above
         up = c >= nsel  # on an exact hit the keys >= probe are the answer: stop there
         lo = tl.where(up, probe, lo)
@@ -230,11 +231,11 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
     tau = _score(lo)
     straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
     need = nsel - n_above
-    n, e = _scatter(x, _grid(0, TB, B // (VEC * TB))[1], tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
+    n, e = _scatter(x, _grid(0, TB, JB)[1], tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
     if LONG:
         for start in range(B, q_n + off, C):
-            more = _block(lrow, stride_ls, start, off, q_n, TC, C // (VEC * TC), WHOLE)
-            n, e = _scatter(more, _grid(start, TC, C // (VEC * TC))[1], tau, straddle, need, srow, n, e, nsel)
+            more = _block(lrow, stride_ls, start, off, q_n, TC, JC, WHOLE)
+            n, e = _scatter(more, _grid(start, TC, JC)[1], tau, straddle, need, srow, n, e, nsel)
 
 
 @triton.jit
