@@ -1,9 +1,9 @@
 """Counting passes of ``kpool_select``'s threshold search, simulated in numpy (issue 3).
 
 Mirrors the probe sequence of ``inductor_ext/kernels/kpool_select_triton.py``: uint32 keys, the
-bracket [min, max], a first probe from the row's mean and deviation, a second GUESS_SPREAD
-deviations to the side its count points to, then count-interpolated keys with a key bisection
-after every interpolation that did not halve the bracket's count; a pass ends the search when
+bracket [min, max], a first probe from the row's mean and deviation, a second one Newton step
+of the normal model from its count (NEWTON_OVERSHOOT times over), then count-interpolated keys
+with a key bisection after every interpolation that did not halve the bracket's count; a pass ends the search when
 exactly nsel scores reach its probe. Prints mean / max passes against plain key bisection for
 synthetic score distributions, and for sampled rows of real scores when given the file that
 ``.devsnap/kpsel9.py`` saves on the H200 (``{"logits", "q_lo", "q_n"}``, torch.save)::
@@ -18,7 +18,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-NSEL, SPREAD = 512, 0.05
+NSEL, NEWTON_OVERSHOOT = 512, 0.2
 
 
 def keys(x):
@@ -35,7 +35,9 @@ def passes(x, nsel=NSEL, guess=True):
     kx = keys(x)
     lo, hi, c_lo, n_above = int(kx.min()), int(kx.max()), len(x), 0
     mean, dev = float(x.mean()), float(x.std())
-    g = np.float32(mean + dev * NormalDist().inv_cdf(1 - (nsel - 0.5) / len(x)))
+    z = NormalDist().inv_cdf(1 - (nsel - 0.5) / len(x))
+    g = np.float32(mean + dev * z)
+    slope = (1 + NEWTON_OVERSHOOT) * dev / (len(x) * NormalDist().pdf(z))  # scores per count near g
     probe = min(max(int(keys(g)), lo + 1), hi) if guess else lo + ((hi - lo + 1) >> 1)
     step, halved, n = 0, True, 0
     while lo < hi:
@@ -50,9 +52,9 @@ def passes(x, nsel=NSEL, guess=True):
         if not guess:
             nxt = lo + ((hi - lo + 1) >> 1)
         elif step == 0:
-            nxt = int(keys(np.float32(g + SPREAD * dev if up else g - SPREAD * dev)))
+            nxt = int(keys(np.float32(g + (c - nsel + (0.5 if up else -0.5)) * slope)))
         elif halved:
-            nxt = lo + int(np.float32(hi - lo) * np.float32((c_lo - nsel + 0.5) / (c_lo - n_above)))
+            nxt = lo + int(np.float32(hi - lo) * np.float32((c_lo - nsel) / (c_lo - n_above)))
         else:
             nxt = lo + ((hi - lo + 1) >> 1)
         halved = step == 0 or not halved or 2 * (c_lo - n_above) <= was

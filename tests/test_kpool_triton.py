@@ -84,9 +84,10 @@ def _query_inputs(T, H, seed=0):
 
 
 def _interpreter_shims():
-    """Work around two Triton 3.6 interpreter bugs that do not exist on the GPU: ``range(n)`` over a
-    runtime int fails with numpy >= 2.4 (``int()`` of a 1-element array), and ``tl.dot`` multiplies
-    BF16 operands as their raw uint16 storage."""
+    """Work around three Triton 3.6 interpreter bugs that do not exist on the GPU: ``range(n)`` over a
+    runtime int fails with numpy >= 2.4 (``int()`` of a 1-element array), ``tl.dot`` multiplies
+    BF16 operands as their raw uint16 storage, and ``tl.minimum`` / ``tl.maximum`` (and so
+    ``tl.min`` / ``tl.max``) propagate NaN where the GPU's min.f32 / max.f32 return the other operand."""
     import triton.language as tl
     import triton.runtime.interpreter as interp
 
@@ -111,6 +112,8 @@ def _interpreter_shims():
         return create_dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
 
     interp.InterpreterBuilder.create_dot = _dot
+    interp.InterpreterBuilder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
+    interp.InterpreterBuilder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
     interp._glm53_shimmed = True
 
 

@@ -15,27 +15,32 @@ share a key, as they compare equal).
      pass counts the scores at or above one probe key (one subtract and one shift-add per
      resident score: the sign bits of ``probe - x``; then one block sum) and ends early when
      exactly nsel reach it. Probes: the score a normal distribution with the row's mean and
-     deviation ranks nsel-th (a sum over heads is close to normal), then GUESS_SPREAD deviations
-     to the side the count points to, then the count-interpolated key, with a key bisection
-     after each interpolation that did not halve the bracket's count (so at most
-     2 + log2(q_n) + 2·32 passes: interpolations that halve the count, the others each paired
-     with a bisection);
+     deviation ranks nsel-th (a sum over heads is close to normal), then one Newton step of
+     that normal model from the first count (NEWTON_OVERSHOOT times over, so it tends to land
+     past the threshold and bracket it), then the key where the count, interpolated over the
+     bracket, reaches nsel, with a key bisection after each interpolation that did not halve
+     the bracket's count (so at most 2 + log2(q_n) + 2·32 passes: interpolations that halve
+     the count, the others each paired with a bisection);
   2. the selected slots (scores > tau, then the lowest slots whose score is tau until nsel are
      taken) go, straight from the registers, to a per-row scratch row at their rank in slot
-     order: prefix sums within each thread's run and one block scan over the runs (a second
-     one when ties at tau straddle the cut).
+     order. Without ties at tau to split and with at most 32 slots per thread (up to 4096
+     pools on 4 warps): each thread's picks as a bit mask, one block scan of their counts,
+     then one store per pick in rounds (as many as the fullest thread has picks). Otherwise:
+     prefix sums within each thread's run and one block scan over the runs (a second one for
+     the ties).
 - the P tokens of each selected pool (document start + P·slot + i) are stored as a ``[pools, P]``
   block, then the visible tail tokens and -1 padding over the remaining columns (``compact``:
   tail right after the pools; ``fixed``: at columns topk .. topk+P-2). A ``compact`` row is
   ascending token ids, then -1.
 
-Cost per selecting row: one read of the q_n visible scores; one pass for min, max and moments;
-the counting passes (``notes/select_passes.py``, top-512 of 1024-4096: 6.2 on average on sampled
-rows of the H=32 FP8 pipeline's scores, 6-7 on normal, ReLU-sum and uniform scores, 9 on
-exponential, 12 on log-normal, 24 on 50 distinct integers, where key bisection alone takes 15.5,
-12-15, 13.5, 12 and 30; on the H200, Nsight Compute counted 5.8 per 4096-pool row of random
-scores); one scatter; the write of ``topk + P - 1`` ids. Instructions issued per scheduler cycle
-0.77 (H200): the kernel is mostly issue-bound, the rest waits on memory and block barriers.
+Cost per selecting row: one read of the q_n visible scores; one pass for min, max and moments
+(one block reduction for the four); the counting passes (``notes/select_passes.py``, top-512 of
+1024-4096, mean: 5.2 on sampled rows of the H=32 FP8 pipeline's scores, 4.5-5.6 on normal,
+ReLU-sum and uniform scores, 7.7 on exponential, 11 on log-normal, 24 on 50 distinct integers,
+where key bisection alone takes 15.5, 12-15, 13.5, 12 and 30); one scatter; the write of
+``topk + P - 1`` ids. The kernel is issue-bound (H200, session 9: 0.77 instructions issued per
+scheduler cycle, the rest waiting on memory and block barriers), so its time follows its
+instruction count.
 Static shapes only, no host sync. NaN scores are not supported.
 """
 
@@ -49,17 +54,17 @@ __all__ = ["kpool_select_fwd"]
 
 ONE_WARP = 512  # up to 512 pools per row: one warp (H200, top-2048: 1024 pools 26.5 us on 4 warps
 # against 33 on one, 2048 pools 55 against 86)
-MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 2 warps 196-229 us against
-# 166-170 at 4; 8 warps 235 against 193 on this session's first version)
+MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps (H200, 4096 pools, top-512: 2 warps 172-181 us against
+# 131 at 4; 8 warps 174)
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read
 ONE_WARP_REGS = 128  # session-7 kernel, 2048 pools on one warp: 164 us at 128 registers, 188 at 168
-REG_HEADROOM = 40  # wider rows: registers = resident scores per thread + 40 (H200, 4096 pools, 4 warps:
-# 178 us at 56 registers, 167 at 64, 166-168 at 72)
+REG_HEADROOM = 32  # wider rows: registers = resident scores per thread + 32 (H200, 4096 pools, 4 warps:
+# 132-134 us at 56 and 60 registers, 131 at 64, 134-141 at 72, 139 at 68)
 MAX_LEVELS = 2  # resident block sizes compiled per kernel (H200, 4096 pools: 2 sizes 168-170 us, 3 sizes 168-172)
 OUT_CHUNK = 64  # tail and -1 columns written per pass
 VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
-GUESS_SPREAD = tl.constexpr(0.05)  # second probe: deviations from the first
+NEWTON_OVERSHOOT = tl.constexpr(0.2)  # second probe: the normal model's Newton step, 1.2 times over
 
 
 @triton.jit
@@ -92,13 +97,19 @@ def _total(v):
 
 
 @triton.jit
+def _stats_combine(lo, hi, s1, s2, more_lo, more_hi, more_s1, more_s2):
+    return tl.minimum(lo, more_lo), tl.maximum(hi, more_hi), s1 + more_s1, s2 + more_s2
+
+
+@triton.jit
 def _stats(x):
-    """(min, max, sum, sum of squares) of a block's scores, NaN (slots outside the row) ignored."""
-    ok = x == x
-    lo = tl.min(tl.min(tl.min(tl.where(ok, x, float("inf")), axis=2), axis=1), axis=0)
-    hi = tl.max(tl.max(tl.max(tl.where(ok, x, -float("inf")), axis=2), axis=1), axis=0)
-    v = tl.where(ok, x, 0.0)
-    return lo, hi, _total(v), _total(v * v)
+    """(min, max, sum, sum of squares) of a block's scores, NaN (slots outside the row) ignored
+    (tl.minimum / tl.maximum return the non-NaN operand); one block reduction for all four."""
+    v = tl.where(x == x, x, 0.0)
+    stats = (x, x, v, v * v)
+    for axis in tl.static_range(2, -1, -1):
+        stats = tl.reduce(stats, axis, _stats_combine)
+    return stats
 
 
 @triton.jit
@@ -161,11 +172,41 @@ def _exclusive_prefix(flags):
 
 
 @triton.jit
-def _scatter(x, pos, tau, straddle, need, srow, n0, e0, nsel):
-    """Write the positions (slot + off) of the selected scores of a block to srow at their rank in
-    slot order, after n0 earlier ones: scores > tau, and scores == tau while fewer than ``need``
-    (e0 taken before) when ties at tau straddle the cut (else every score >= tau). Returns (n0, e0)
-    updated."""
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _popcount(m):
+    """Set bits of each uint32, as int32 (SWAR)."""
+    m = m - ((m >> 1) & 0x55555555)
+    m = (m & 0x33333333) + ((m >> 2) & 0x33333333)
+    m = (m + (m >> 4)) & 0x0F0F0F0F
+    return ((m * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _scatter_runs(x, start, tau, srow, n0, T: tl.constexpr, J: tl.constexpr):
+    """:func:`_scatter` without ties to split (every score >= tau is selected) and at most 32 slots
+    per thread: each run's picks as a bit mask, one block scan of their counts, then one store per
+    pick, lowest bit first (as many rounds as the fullest run has picks)."""
+    bit = tl.arange(0, J)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
+    m = tl.reduce(tl.reduce(tl.where(x >= tau, 1 << bit, 0), 2, _or), 1, _or)
+    n = _popcount(m.to(tl.uint32, bitcast=True))
+    dst = srow + (n0 + tl.cumsum(n, 0) - n)
+    pos = start + tl.arange(0, T) * (J * VEC) - 127  # each run's first slot + off, less the fp32 exponent bias
+    for k in range(0, tl.max(n, 0)):
+        low = m & -m  # the lowest set bit: 2^j
+        j_biased = low.to(tl.uint32, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True) >> 23
+        tl.store(dst + k, pos + j_biased, mask=m != 0)
+        m ^= low
+    return n0 + tl.sum(n, 0)
+
+
+@triton.jit
+def _scatter_ranked(x, pos, tau, straddle, need, srow, n0, e0, nsel):
+    """:func:`_scatter` for any block: each selected score's rank from prefix sums over its run and
+    one block scan over the runs."""
     sel = x >= tau
     if straddle:
         eq = x == tau
@@ -174,6 +215,22 @@ def _scatter(x, pos, tau, straddle, need, srow, n0, e0, nsel):
     rank = n0 + _exclusive_prefix(sel)
     tl.store(srow + rank, pos, mask=sel & (rank < nsel))  # rank < nsel holds; the mask keeps it in the row
     return n0 + _total(sel.to(tl.int32)), e0
+
+
+@triton.jit
+def _scatter(x, start, tau, straddle, need, srow, n0, e0, nsel, T: tl.constexpr, J: tl.constexpr):
+    """Write the positions (slot + off) of the selected scores of the ``[T, J, VEC]`` block at
+    ``start`` to srow at their rank in slot order, after n0 earlier ones: scores > tau, and scores
+    == tau while fewer than ``need`` (e0 taken before) when ties at tau straddle the cut (else
+    every score >= tau). Returns (n0, e0) updated."""
+    if J * VEC <= 32:
+        if straddle:
+            n0, e0 = _scatter_ranked(x, _grid(start, T, J)[1], tau, straddle, need, srow, n0, e0, nsel)
+        else:
+            n0 = _scatter_runs(x, start, tau, srow, n0, T, J)
+    else:
+        n0, e0 = _scatter_ranked(x, _grid(start, T, J)[1], tau, straddle, need, srow, n0, e0, nsel)
+    return n0, e0
 
 
 @triton.jit
@@ -191,16 +248,16 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
     if LONG:
         for start in range(B, q_n + off, C):
             more_lo, more_hi, more_s1, more_s2 = _stats(_block(lrow, stride_ls, start, off, q_n, TC, JC, WHOLE))
-            lo = tl.minimum(lo, more_lo)
-            hi = tl.maximum(hi, more_hi)
-            s1 += more_s1
-            s2 += more_s2
-    # probes (module docstring): the normal guess from the row's mean and deviation, GUESS_SPREAD
-    # deviations to the side its count points to, then count-interpolated keys, a key bisection
-    # after every interpolation that did not halve the bracket's count
+            lo, hi, s1, s2 = _stats_combine(lo, hi, s1, s2, more_lo, more_hi, more_s1, more_s2)
+    # probes (module docstring): the normal guess from the row's mean and deviation, a Newton step
+    # of the normal model from its count, then count-interpolated keys, a key bisection after
+    # every interpolation that did not halve the bracket's count
     mean = s1 / q_n
     dev = tl.sqrt(tl.maximum(s2 / q_n - mean * mean, 0.0))
-    guess = mean + dev * _upper_normal_quantile((nsel - 0.5) / q_n)
+    z = _upper_normal_quantile((nsel - 0.5) / q_n)
+    guess = mean + dev * z
+    # the normal model's scores per count near the guess: dev / (q_n · density at z)
+    slope = (1.0 + NEWTON_OVERSHOOT) * 2.5066283 * dev * tl.exp(0.5 * z * z) / q_n  # sqrt(2 pi) dev / (q_n e^(-z²/2))
     # over keys: tau in [lo, hi], c_lo = #(keys >= lo), n_above = #(keys > hi); finite scores'
     # keys span less than 2^32 - 1, so hi - lo + 1 does not wrap
     lo = _key(lo)
@@ -219,9 +276,9 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
         hi = tl.where(c == nsel, probe, tl.where(up, hi, probe - 1))
         n_above = tl.where(up, n_above, c)
         if step == 0:
-            nxt = _key(tl.where(up, guess + GUESS_SPREAD * dev, guess - GUESS_SPREAD * dev))
+            nxt = _key(guess + (c - nsel + tl.where(up, 0.5, -0.5)) * slope)
         elif halved:
-            frac = (c_lo - nsel + 0.5) / (c_lo - n_above)  # where the count crosses nsel - 1/2
+            frac = (c_lo - nsel) / (c_lo - n_above)  # where the count reaches nsel
             nxt = lo + ((hi - lo).to(tl.float32) * frac).to(tl.uint32)
         else:
             nxt = lo + ((hi - lo + 1) >> 1)
@@ -231,11 +288,11 @@ def _select_top(lrow, stride_ls, off, q_n, nsel, srow, one, B: tl.constexpr, C: 
     tau = _score(lo)
     straddle = c_lo > nsel  # then n_above = #(keys > tau) and nsel - n_above ties are taken
     need = nsel - n_above
-    n, e = _scatter(x, _grid(0, TB, JB)[1], tau, straddle, need, srow, q_n * 0, q_n * 0, nsel)
+    n, e = _scatter(x, 0, tau, straddle, need, srow, q_n * 0, q_n * 0, nsel, TB, JB)
     if LONG:
         for start in range(B, q_n + off, C):
             more = _block(lrow, stride_ls, start, off, q_n, TC, JC, WHOLE)
-            n, e = _scatter(more, _grid(start, TC, JC)[1], tau, straddle, need, srow, n, e, nsel)
+            n, e = _scatter(more, start, tau, straddle, need, srow, n, e, nsel, TC, JC)
 
 
 @triton.jit
