@@ -3,12 +3,12 @@ independent FP64 token recurrence of ``tests/kda_fp64.py``.
 
 CPU: Triton's interpreter (``TRITON_INTERPRET=1 python -m pytest tests/test_kda_fp32_triton.py``),
 small geometries, each run twice: with the interpreter's own FP32 matmul for every ``tl.dot``, and
-with ``tf32x3`` dots emulated the way Triton lowers them on NVIDIA (operands split into a TF32 high
-part, ``cvt.rna``, and the remainder, which the tensor core reads truncated to TF32; three products,
-the low·low one dropped); a dot left at the default ``tf32`` precision fails the bound (one state
-dot at ``tf32``: 4e-5) and is named by the fixture. BF16 stores are rounded to nearest even as on
-the GPU. CUDA (``python -m pytest -m cuda tests/test_kda_fp32_triton.py``, not under the
-interpreter): the H200 geometry H = 64, K = V = 128.
+with every dot's operands truncated to TF32 the way a tensor core reads FP32 registers. The
+kernels' ``_dot3`` splits each operand into a TF32 high part and the remainder and runs three such
+dots (the low·low one dropped); a dot not split that way fails the bound (one state dot at plain
+``tf32``: 4e-5). BF16 stores are rounded to nearest even as on the GPU. CUDA (``python -m pytest
+-m cuda tests/test_kda_fp32_triton.py``, not under the interpreter): the H200 geometry H = 64,
+K = V = 128.
 """
 
 import inspect
@@ -41,14 +41,8 @@ ids = [c.name for c in CASES]
 
 
 # ---------------------------------------------------------------------------------------------
-# tf32x3 emulation for the interpreter
+# TF32 tensor-core dots emulated in the interpreter
 # ---------------------------------------------------------------------------------------------
-
-
-def _tf32_rna(x: np.ndarray) -> np.ndarray:
-    """FP32 -> TF32 (10 mantissa bits), round to nearest, ties away from zero (``cvt.rna.tf32.f32``)."""
-    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
 
 
 def _tf32_trunc(x: np.ndarray) -> np.ndarray:
@@ -56,10 +50,11 @@ def _tf32_trunc(x: np.ndarray) -> np.ndarray:
     return (x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-@pytest.fixture(params=["fp32", "tf32x3"])
+@pytest.fixture(params=["fp32", "tf32"])
 def dots(request, monkeypatch):
-    """``fp32``: the interpreter's FP32 matmul for every dot; ``tf32x3``: NVIDIA's lowering emulated."""
-    if request.param == "tf32x3":
+    """``fp32``: the interpreter's FP32 matmul for every dot; ``tf32``: every ``input_precision="tf32"``
+    dot reads its operands truncated to TF32 (FP32 accumulation), as the tensor cores do."""
+    if request.param == "tf32":
         from triton.runtime import interpreter
         from triton.runtime.interpreter import TensorHandle
 
@@ -71,20 +66,14 @@ def dots(request, monkeypatch):
             seen.add(name)
             if a.data.dtype != np.float32 or b.data.dtype != np.float32 or name == "ieee":
                 return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-            a_hi, b_hi = _tf32_rna(a.data), _tf32_rna(b.data)
-            out = d.data.astype(np.float32)
-            if name == "tf32x3":
-                a_lo, b_lo = _tf32_trunc(a.data - a_hi), _tf32_trunc(b.data - b_hi)
-                small = np.matmul(a_lo, b_hi) + np.matmul(a_hi, b_lo)
-                out = out + np.where(np.isnan(small), np.float32(0), small)
-            elif name != "tf32":
+            if name != "tf32":
                 raise AssertionError(f"unexpected dot precision {name}")
-            out = (out + np.matmul(a_hi, b_hi)).astype(np.float32)
-            return TensorHandle(out, d.dtype.scalar)
+            out = d.data.astype(np.float32) + np.matmul(_tf32_trunc(a.data), _tf32_trunc(b.data))
+            return TensorHandle(out.astype(np.float32), d.dtype.scalar)
 
         monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
         yield request.param
-        assert seen <= {"tf32x3", "ieee"}, f"a dot ran at precision(s) {sorted(seen - {'tf32x3', 'ieee'})}"
+        assert seen <= {"tf32", "ieee"}, f"a dot ran at precision(s) {sorted(seen - {'tf32', 'ieee'})}"
     else:
         yield request.param
 

@@ -28,11 +28,12 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
    [64, 64]): ``v_new = u - w·h``, ``o = qg·h + Aqk·v_new`` (stored in v's dtype),
    ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global memory.
 
-Dot precisions: every dot uses ``input_precision="tf32x3"`` (hi/lo split, three TF32 MMAs,
-FP32-grade products at tensor-core speed); the 16×16 diagonal sweep is elementwise FP32. On the
-H200 (T=16384, H=64, K=V=128) tf32x3 instead of IEEE elimination dots took ``_chunk_kernel`` from
-9.3 to 8.5 ms at unchanged test accuracy; two other forms of the solve measured slower and were
-reverted (``notes/kda-fp32-kernels.md``, session 5).
+Dot precisions: every dot is ``_dot3`` (hi/lo split, three TF32 MMAs, FP32-grade products at
+tensor-core speed): Triton's ``tf32x3`` arithmetic with a cheaper split and no NaN mask, bitwise
+the same results on the H200, ``_chunk_kernel`` 6.97 -> 6.2 ms and ``_state_kernel`` 2.76 -> 2.70 ms
+at T=16384, H=64, K=V=128; the 16×16 diagonal sweep is elementwise FP32. tf32x3 instead of IEEE
+elimination dots took ``_chunk_kernel`` from 9.3 to 8.5 ms at unchanged test accuracy; two other
+forms of the solve measured slower and were reverted (``notes/kda-fp32-kernels.md``, sessions 5, 10).
 """
 
 from __future__ import annotations
@@ -50,6 +51,31 @@ MAX_DIM = 128
 # masked-out pairs (up to e^84 · Σ|q̂||k̂| ≤ e^84) stay finite and the low TF32 half of the smaller
 # factor of any product ≥ 1e-12 stays a normal FP32 number. Gates ≥ -5 per token give at most 40.
 SPAN = 42.0
+_TF32_HI = tl.constexpr(-8192)  # 0xFFFFE000: sign, exponent and the 10 mantissa bits TF32 keeps
+
+
+@triton.jit
+def _split(x):
+    """(hi, lo): hi = x rounded to TF32, to nearest with ties away from zero (``cvt.rna.tf32.f32``
+    done as an integer add and mask), lo = x - hi, exact in FP32 with |lo| <= 2^-11 |x|."""
+    hi = ((x.to(tl.int32, bitcast=True) + 0x1000) & _TF32_HI).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _dot3(a, b):
+    """a·b with FP32-grade products from three TF32 MMAs on split operands, as Triton's ``tf32x3``:
+    lo·hi and hi·lo, then hi·hi, accumulated by the tensor cores from zero. Callers add any
+    accumulator on the CUDA cores: chained onto a large accumulator, the tensor cores' addition
+    drops low bits of the small products (H200: 7.8e-6 against 2.6e-7 relative L2 on o). Cheaper
+    than ``tf32x3``: the split is an integer add and mask, and there is no NaN mask between the
+    MMAs (the operands here are finite)."""
+    a_hi, a_lo = _split(a)
+    b_hi, b_lo = _split(b)
+    out = tl.dot(a_lo, b_hi, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), input_precision="tf32")
+    out = tl.dot(a_hi, b_lo, out, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, out, input_precision="tf32")
+
 
 # ---------------------------------------------------------------------------------------------
 # kernel 1: within-chunk quantities, one program per (chunk slot, head)
@@ -92,11 +118,13 @@ def _col_block(qh, kh, gc, r, acc_q, acc_k, J: tl.constexpr, BKB: tl.constexpr, 
     if span <= SPAN:
         el = tl.exp(left)
         rt = tl.trans(kJ * tl.exp(right))  # [BKB, 16]
-        dq = tl.dot(tl.where(below, qh * el, 0.0), rt, input_precision="tf32x3")
-        dk = tl.dot(tl.where(below, kh * el, 0.0), rt, input_precision="tf32x3")
+        acc_q += _dot3(tl.where(below, qh * el, 0.0), rt)
+        acc_k += _dot3(tl.where(below, kh * el, 0.0), rt)
     else:
         dq, dk = _col_block_exact(qh, kh, gc, kJ, gJ, r, J)
-    return acc_q + dq, acc_k + dk
+        acc_q += dq
+        acc_k += dk
+    return acc_q, acc_k
 
 
 @triton.jit
@@ -113,9 +141,9 @@ def _elim_step(Z, M, lJ, r, J: tl.constexpr, LAST: tl.constexpr):
     L[:, J] · P_J. Z: the stacked diagonal inverses [4,16,16]; M: the eliminated identity [64,64]."""
     ZJ = tl.sum(tl.where((tl.arange(0, 4) == J)[:, None, None], Z, 0.0), 0)  # [16,16]
     EJ = tl.reshape(tl.where((tl.arange(0, 4) == J)[None, :, None], ZJ[:, None, :], 0.0), [16, 64])
-    P = tl.dot(EJ, M, input_precision="tf32x3")  # [16,64]
+    P = _dot3(EJ, M)  # [16,64]
     if not LAST:
-        M = M - tl.dot(tl.where(r[:, None] >= 16 * (J + 1), lJ, 0.0), P, input_precision="tf32x3")
+        M = M - _dot3(tl.where(r[:, None] >= 16 * (J + 1), lJ, 0.0), P)
     return P, M
 
 
@@ -204,13 +232,13 @@ def _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr,
     for kb in range(BK // BKB):
         c = kb * BKB + tl.arange(0, BKB)
         t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
-        tl.store(W + t_off, tl.dot(ainv, tl.load(W + t_off), input_precision="tf32x3"))
+        tl.store(W + t_off, _dot3(ainv, tl.load(W + t_off)))
     for vb in range(BV // BVB):
         c = vb * BVB + tl.arange(0, BVB)
         m = rows[:, None] & (c < V)[None, :]
         vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + c[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(U + slot * (64 * BV) + r[:, None] * BV + c[None, :],
-                 tl.dot(ainv, vx * b[:, None], input_precision="tf32x3"))
+                 _dot3(ainv, vx * b[:, None]))
 
 
 @triton.jit
@@ -292,9 +320,9 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
         p_q = QG + slot * (64 * BK) + r[:, None] * BK + ck[None, :]
         p_k = KGT + slot * (BK * 64) + ck[:, None] * 64 + c64[None, :]
         p_d = DEC + slot * BK + ck
-        wh = tl.dot(tl.load(p_w), ha, input_precision="tf32x3")
+        wh = _dot3(tl.load(p_w), ha)
         if TWO:
-            wh = tl.dot(tl.load(p_w + 64), hb, wh, input_precision="tf32x3")
+            wh += _dot3(tl.load(p_w + 64), hb)
         p_u = slot * (64 * BV) + r[:, None] * BV + cv[None, :]
         vn = tl.load(U + p_u) - wh
         if SPLIT:  # the state before this chunk and v_new, for _output_kernel
@@ -305,9 +333,9 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
             tl.store(VN + p_u, vn)
         else:
             _store_output(p_q, ha, hb, AQK + slot * 4096, vn, o, bos, length, it, i_h, r, cv, H, V, TWO)
-        ha = ha * tl.load(p_d)[:, None] + tl.dot(tl.load(p_k), vn, input_precision="tf32x3")
+        ha = ha * tl.load(p_d)[:, None] + _dot3(tl.load(p_k), vn)
         if TWO:
-            hb = hb * tl.load(p_d + 64)[:, None] + tl.dot(tl.load(p_k + 64 * 64), vn, input_precision="tf32x3")
+            hb = hb * tl.load(p_d + 64)[:, None] + _dot3(tl.load(p_k + 64 * 64), vn)
         it += 1
     tl.store(ht + off_a, ha, mask=m_a)
     if TWO:
@@ -319,11 +347,11 @@ def _store_output(p_q, ha, hb, aqk, vn, o, bos, length, t, i_h, r, cv, H: tl.con
                   TWO: tl.constexpr):
     # chunk t's output rows o = qg·h + Aqk·v_new (h: the state entering the chunk, as one or two
     # 64-row tiles ha, hb), stored in o's dtype; rows past the document's end are masked
-    ov = tl.dot(tl.load(p_q), ha, input_precision="tf32x3")
+    ov = _dot3(tl.load(p_q), ha)
     if TWO:
-        ov = tl.dot(tl.load(p_q + 64), hb, ov, input_precision="tf32x3")
+        ov += _dot3(tl.load(p_q + 64), hb)
     c64 = tl.arange(0, 64)
-    ov = tl.dot(tl.load(aqk + r[:, None] * 64 + c64[None, :]), vn, ov, input_precision="tf32x3")
+    ov += _dot3(tl.load(aqk + r[:, None] * 64 + c64[None, :]), vn)
     tok = bos + t * 64 + r
     m_o = (r < length - t * 64)[:, None] & (cv < V)[None, :]
     tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
@@ -419,9 +447,11 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     semantics: ``block_k`` (K and V columns per step of the chunk kernel's loops), ``block_v`` (V
     columns per state-pass program) and ``warps`` (chunk kernel, state kernel). On the H200 (triton
     3.6) 8 warps in the chunk kernel fault with an illegal memory access at T=2048, H=64 (two
-    warpgroups on M=64 tf32x3 dots, n8 wgmma); 4 warps run (see ``notes/kda-fp32-kernels.md``).
+    warpgroups on M=64 tf32x3 dots, n8 wgmma; not retried with ``_dot3``); 4 warps run (see
+    ``notes/kda-fp32-kernels.md``).
     ``chunk_maxnreg`` caps the chunk kernel's registers per thread (None: ptxas' choice, 255 with
-    spills): 168 measured fastest on the H200 (T=16384, H=64: 7.0 vs 8.5 ms; 128: 7.6; 192: 9.0).
+    spills): 168 measured fastest on the H200 (T=16384, H=64, tf32x3 dots: 7.0 vs 8.5 ms; 128: 7.6;
+    192: 9.0; ``_dot3``: 6.2 ms, 128: 6.7).
     ``split_output``: the state pass only carries the state (two dots per chunk on its sequential
     path instead of four) and stores each chunk's entering state and v_new (FP32, 1.6 GB at
     T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
