@@ -23,8 +23,11 @@ pytest.importorskip("triton")
 from inductor_ext.kernels import kda_fp32_triton  # noqa: E402
 from inductor_ext.kernels.kda_fp32_triton import kda_fp32_fwd  # noqa: E402
 from tests.kda_fp64 import TOL, Case, assert_rel_l2, make_inputs, recurrence_fp64, rel_l2, round_bf16  # noqa: E402
+from tests.triton_interpreter import apply_interpreter_shims  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    apply_interpreter_shims()  # the state pass loops over range(a loaded chunk count)
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (Triton's CPU interpreter)")
 ARGS = ("q", "k", "v", "g", "beta")
 
