@@ -60,8 +60,9 @@ MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MA
 ONE_WARP_REGS = 128  # session-7 kernel, 2048 pools on one warp: 164 us at 128 registers, 188 at 168
 REG_HEADROOM = 32  # wider rows: registers = resident scores per thread + 32 (H200, 4096 pools, 4 warps:
 # 132-134 us at 56 and 60 registers, 131 at 64, 134-141 at 72, 139 at 68)
-MAX_LEVELS = 2  # resident block sizes compiled per kernel (H200, 4096 pools: 2 sizes 168-170 us, 3 sizes 168-172)
-OUT_CHUNK = 64  # tail and -1 columns written per pass
+MAX_LEVELS = 2  # resident block sizes compiled per kernel (H200, 4096 pools, session 10: 2 sizes 129.0-129.3 us,
+# 3 sizes 126.8; not switched: measured after the session's last test and bench runs)
+OUT_CHUNK = 64  # tail and -1 columns written per pass (128: 127.6 us against 129.0-129.3, not switched either)
 VEC = tl.constexpr(4)  # consecutive slots per thread: one 16-byte fp32 load
 _SIGN = tl.constexpr(-(2**31))
 NEWTON_OVERSHOOT = tl.constexpr(0.2)  # second probe: the normal model's Newton step, 1.2 times over
