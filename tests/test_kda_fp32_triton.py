@@ -1,5 +1,6 @@
-"""The FP32-accurate KDA forward in Triton (``inductor_ext.kernels.kda_fp32_triton``) against the
-independent FP64 token recurrence of ``tests/kda_fp64.py``.
+"""The FP32-accurate KDA kernels in Triton (``inductor_ext.kernels.kda_fp32_triton``, forward, and
+``kda_fp32_bwd_triton``, backward) against the independent FP64 token recurrence of
+``tests/kda_fp64.py`` and its FP64 VJP.
 
 CPU: Triton's interpreter (``TRITON_INTERPRET=1 python -m pytest tests/test_kda_fp32_triton.py``),
 small geometries, each run twice: with the interpreter's own FP32 matmul for every ``tl.dot``, and
@@ -21,8 +22,10 @@ import torch
 pytest.importorskip("triton")
 
 from inductor_ext.kernels import kda_fp32_triton  # noqa: E402
+from inductor_ext.kernels.kda_fp32_bwd_triton import kda_fp32_bwd  # noqa: E402
 from inductor_ext.kernels.kda_fp32_triton import kda_fp32_fwd  # noqa: E402
-from tests.kda_fp64 import TOL, Case, assert_rel_l2, make_inputs, recurrence_fp64, rel_l2, round_bf16  # noqa: E402
+from tests.kda_fp64 import (TOL, Case, assert_rel_l2, make_inputs, recurrence_fp64, rel_l2, round_bf16,  # noqa: E402
+                            vjp_fp64)
 from tests.triton_interpreter import apply_interpreter_shims  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -110,6 +113,39 @@ def _reference(inputs):
     return recurrence_fp64(*(inputs[n] for n in ARGS), scale, inputs["initial_state"], inputs["cu_seqlens"])
 
 
+# the interpreter's backward reaches 1.1e-6 (dg) at worst against the FP64 VJP; the issue's bound
+# on the H200 is TOL["fp32"]["grad"] = 1e-4. 1e-5 here keeps a tenth of a TF32 ulp of headroom
+# and fails a single plain-TF32 dot.
+GRAD_TOL_INTERPRETER = 1e-5
+GRADS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _cotangents(inputs, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    N, H, K, V = (inputs["initial_state"].shape if inputs["initial_state"] is not None else
+                  (1 if inputs["cu_seqlens"] is None else inputs["cu_seqlens"].numel() - 1,
+                   *inputs["q"].shape[2:], inputs["v"].shape[-1]))
+    do = torch.randn(inputs["v"].shape, generator=gen).to(inputs["v"].device)
+    return do, torch.randn(N, H, K, V, generator=gen).to(inputs["v"].device)
+
+
+def _run_bwd(inputs, do, dht, **kw):
+    scale = inputs["q"].shape[-1] ** -0.5
+    return kda_fp32_bwd(*(inputs[n] for n in ARGS), scale, inputs["initial_state"], inputs["cu_seqlens"],
+                        do, dht, **kw)
+
+
+def _check_grads(label, inputs, tol, **kw):
+    """Every gradient of the Triton backward against the FP64 VJP (FP32 inputs); dh0 only with an
+    initial state. Returns the errors."""
+    do, dht = _cotangents(inputs)
+    grads = dict(zip(GRADS, _run_bwd(inputs, do, dht, **kw)))
+    ref = vjp_fp64(inputs, inputs["q"].shape[-1] ** -0.5, do, dht)
+    errs = {n: assert_rel_l2(f"d{n}", grads[n], ref[n], tol) for n in ref}
+    print(f"\n[{label}] " + " ".join(f"d{n}={e:.2e}" for n, e in errs.items()))
+    return errs
+
+
 def _check_fp32(label, o, s, o_ref, s_ref):
     assert o.dtype == torch.float32 and s.dtype == torch.float32
     errs = (assert_rel_l2("o", o, o_ref, TOL["fp32"]["o"]),
@@ -168,6 +204,50 @@ def test_bf16_inputs_against_rounded_fp64(case, dots, rne_bf16):
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     err = assert_rel_l2("o", o, round_bf16(o_ref), TOL["bf16_io"]["fp32"])
     print(f"\n[{dots} bf16 io {case.name}] o={err:.2e}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_bwd_fp32_inputs_match_fp64_vjp(case, dots):
+    _check_grads(f"{dots} bwd {case.name}", make_inputs(case, torch.float32), GRAD_TOL_INTERPRETER)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("force_exact", [False, True], ids=["guarded", "exact-everywhere"])
+def test_bwd_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
+    """As the forward's test: blocks with e^{±240} spans must take the exact elementwise backward."""
+    inputs = make_inputs(Case("steep", (100,), heads=2, k_dim=32, v_dim=32, initial_state=True), torch.float32)
+    inputs["g"][..., ::4] = -30.0
+    inputs["g"][:, 32:80, 1, :] = -0.01
+    if force_exact:
+        monkeypatch.setattr(kda_fp32_triton, "SPAN", -1.0)
+    _check_grads(f"{dots} bwd steep gates exact={force_exact}", inputs, GRAD_TOL_INTERPRETER)
+
+
+@needs_interpreter
+def test_bwd_unpacked_batch_and_no_final_state_cotangent(dots):
+    """B = 2 without cu_seqlens, dht = None (a zero cotangent), no initial state."""
+    inputs = make_inputs(Case("2x70", (70, 70), heads=2, k_dim=32, v_dim=32), torch.float32)
+    batched = {n: inputs[n].reshape(2, 70, *inputs[n].shape[2:]) for n in ARGS}
+    do, _ = _cotangents(inputs)
+    grads = _run_bwd({**batched, "initial_state": None, "cu_seqlens": None}, do.reshape(2, 70, 2, 32), None)
+    ref = vjp_fp64(inputs, 32 ** -0.5, do, torch.zeros(2, 2, 32, 32))
+    for n, gr in zip(ARGS, grads):
+        assert_rel_l2(f"d{n}", gr.reshape(ref[n].shape), ref[n], GRAD_TOL_INTERPRETER)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES[:2], ids=ids[:2])
+def test_bwd_bf16_inputs_against_rounded_fp64(case, dots, rne_bf16):
+    """BF16 q, k, v, beta: gradients in BF16 against the FP64 VJP rounded to BF16."""
+    inputs = make_inputs(case, torch.bfloat16)
+    do, dht = _cotangents(inputs)
+    grads = dict(zip(GRADS, _run_bwd(inputs, do.to(torch.bfloat16), dht)))
+    ref = vjp_fp64(inputs, case.k_dim ** -0.5, do.to(torch.bfloat16), dht)
+    for n in ref:
+        assert grads[n].dtype == (torch.float32 if n in ("g", "initial_state") else torch.bfloat16)
+        assert_rel_l2(f"d{n}", grads[n], round_bf16(ref[n]) if grads[n].dtype == torch.bfloat16 else ref[n],
+                      TOL["bf16_io"]["fp32"])
 
 
 @pytest.fixture
@@ -241,6 +321,22 @@ def test_every_access_stays_inside_its_tensor(case, dtype, kw, bounds_checked):
     assert not bounds_checked, f"{len(bounds_checked)} out-of-bounds accesses, first: {bounds_checked[:3]}"
 
 
+@needs_interpreter
+@pytest.mark.parametrize("case,dtype,kw", BOUNDS_CASES[:4], ids=[c.name for c, _, _ in BOUNDS_CASES[:4]])
+def test_bwd_every_access_stays_inside_its_tensor(case, dtype, kw, bounds_checked):
+    inputs = make_inputs(case, dtype)
+    inputs["g"] = inputs["g"].float()
+    do, dht = _cotangents(inputs)
+    _run_bwd(inputs, do.to(dtype), dht, **kw)
+    assert not bounds_checked, f"{len(bounds_checked)} out-of-bounds accesses, first: {bounds_checked[:3]}"
+
+
+def test_bwd_rejects_a_cotangent_of_the_wrong_shape():
+    q = torch.zeros(1, 4, 1, 32)
+    with pytest.raises(ValueError, match="do must have o's shape"):
+        kda_fp32_bwd(q, q, q, q, torch.zeros(1, 4, 1), 0.1, None, None, torch.zeros(1, 4, 1, 16))
+
+
 def test_rejects_head_dims_above_128():
     q = torch.zeros(1, 4, 1, 160)
     with pytest.raises(ValueError, match="head dims K, V must be in 1..128"):
@@ -277,6 +373,13 @@ def test_cuda_h64_k128_fp32_and_bf16_inputs(case, variant):
     err = rel_l2(o16, round_bf16(_reference(bf16)[0]))
     print(f"[cuda bf16 io {case.name}] o={err:.2e}")
     assert err <= TOL["bf16_io"]["fp32"], f"o (bf16 inputs): {err:.3e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET, reason="the H200 geometry is for compiled kernels, not the interpreter")
+@pytest.mark.parametrize("case", H200_CASES, ids=[c.name for c in H200_CASES])
+def test_cuda_bwd_h64_k128_grads_within_1e4_of_fp64_vjp(case):
+    _check_grads(f"cuda bwd {case.name}", make_inputs(case, torch.float32, device="cuda"), TOL["fp32"]["grad"])
 
 
 @pytest.mark.cuda

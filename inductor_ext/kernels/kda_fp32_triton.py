@@ -38,6 +38,8 @@ forms of the solve measured slower and were reverted (``notes/kda-fp32-kernels.m
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -133,11 +135,16 @@ def _col_block(qh, kh, gc, r, acc_q, acc_k, J: tl.constexpr, BKB: tl.constexpr, 
 
 
 @triton.jit
-def _finish_block(acc_q, acc_k, b, r, aqk_ptr, scale, J: tl.constexpr):
-    """Mask column block J: store scale·Aqk (j ≤ i) and return the block of A - I (j < i, ·β_i)."""
+def _finish_block(acc_q, acc_k, b, r, aqk_ptr, akk_ptr, scale, J: tl.constexpr, STORE_AKK: tl.constexpr):
+    """Mask column block J: store scale·Aqk (j ≤ i) and return the block of A - I (j < i, ·β_i).
+    STORE_AKK (backward): also store the block's k̂–k̂ products without β (j < i), for dβ."""
     col = 16 * J + tl.arange(0, 16)
-    tl.store(aqk_ptr + r[:, None] * 64 + col[None, :], tl.where(r[:, None] >= col[None, :], acc_q * scale, 0.0))
-    return tl.where(r[:, None] > col[None, :], acc_k * b[:, None], 0.0)
+    off = r[:, None] * 64 + col[None, :]
+    tl.store(aqk_ptr + off, tl.where(r[:, None] >= col[None, :], acc_q * scale, 0.0))
+    akk = tl.where(r[:, None] > col[None, :], acc_k, 0.0)
+    if STORE_AKK:
+        tl.store(akk_ptr + off, akk)
+    return akk * b[:, None]
 
 
 @triton.jit
@@ -229,10 +236,14 @@ def _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK: tl
 
 
 @triton.jit
-def _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr, V: tl.constexpr,
-           BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr):
-    """w = A⁻¹ (β k̂ e^{gc}) in place of its right-hand side in W, and u = A⁻¹ (β v)."""
+def _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, AINV, slot, i_h, H: tl.constexpr, V: tl.constexpr,
+           BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, STORE_AINV: tl.constexpr):
+    """w = A⁻¹ (β k̂ e^{gc}) in place of its right-hand side in W, and u = A⁻¹ (β v); A⁻¹ itself
+    too when STORE_AINV (backward)."""
     ainv = _inverse(l0, l1, l2, l3, r)
+    if STORE_AINV:
+        c64 = tl.arange(0, 64)
+        tl.store(AINV + slot * 4096 + r[:, None] * 64 + c64[None, :], ainv)
     tl.debug_barrier()  # the right-hand side in W was stored by other threads of this program
     for kb in range(BK // BKB):
         c = kb * BKB + tl.arange(0, BKB)
@@ -247,9 +258,10 @@ def _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr,
 
 
 @triton.jit
-def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scale,
+def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AINV, AKK, scale,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr):
+                  BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr,
+                  FOR_BWD: tl.constexpr):
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
     rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
@@ -273,12 +285,13 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, scal
         aq3, ak3 = _col_block(qh, kh, gc, r, aq3, ak3, 3, BKB, SPAN)
 
     aqk_ptr = AQK + slot * 4096
-    l0 = _finish_block(aq0, ak0, b, r, aqk_ptr, scale, 0)
-    l1 = _finish_block(aq1, ak1, b, r, aqk_ptr, scale, 1)
-    l2 = _finish_block(aq2, ak2, b, r, aqk_ptr, scale, 2)
-    l3 = _finish_block(aq3, ak3, b, r, aqk_ptr, scale, 3)
+    akk_ptr = AKK + slot * 4096
+    l0 = _finish_block(aq0, ak0, b, r, aqk_ptr, akk_ptr, scale, 0, FOR_BWD)
+    l1 = _finish_block(aq1, ak1, b, r, aqk_ptr, akk_ptr, scale, 1, FOR_BWD)
+    l2 = _finish_block(aq2, ak2, b, r, aqk_ptr, akk_ptr, scale, 2, FOR_BWD)
+    l3 = _finish_block(aq3, ak3, b, r, aqk_ptr, akk_ptr, scale, 3, FOR_BWD)
     # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
-    _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, slot, i_h, H, V, BK, BV, BKB, BVB)
+    _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, AINV, slot, i_h, H, V, BK, BV, BKB, BVB, FOR_BWD)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,6 +450,89 @@ def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Ten
     return chunk_map.to(torch.int32).contiguous(), first.to(torch.int32).contiguous()
 
 
+@dataclasses.dataclass
+class ChunkPass:
+    """What the chunk kernel leaves for the state passes: the chunk list, the chunk-major FP32
+    intermediates ``[slot, H, ...]`` and the launch geometry."""
+
+    N: int
+    H: int
+    K: int
+    V: int
+    BK: int
+    BV: int
+    BKB: int
+    BVB: int
+    BVT: int
+    n_slots: int
+    cu: torch.Tensor
+    chunk_map: torch.Tensor
+    first_slot: torch.Tensor
+    QG: torch.Tensor
+    KGT: torch.Tensor
+    W: torch.Tensor
+    U: torch.Tensor
+    AQK: torch.Tensor
+    DEC: torch.Tensor
+    AINV: torch.Tensor  # A⁻¹ and the k̂–k̂ products (no β), [slot, H, 64, 64]: only for the backward
+    AKK: torch.Tensor
+
+
+def _check_blocks(name: str, block_k: int, block_v: int, chunk_maxnreg: int | None) -> None:
+    for arg, blk in (("block_k", block_k), ("block_v", block_v)):
+        if blk not in (16, 32, 64):
+            raise ValueError(f"{name}: {arg} must be 16, 32 or 64, got {blk}")
+    if chunk_maxnreg is not None and not 32 <= chunk_maxnreg <= 255:
+        raise ValueError(f"{name}: chunk_maxnreg must be None or 32..255 registers, got {chunk_maxnreg}")
+
+
+def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: int, warps: int,
+               chunk_maxnreg: int | None, for_bwd: bool) -> ChunkPass:
+    """Launch the chunk kernel on contiguous, checked inputs (see :func:`kda_fp32_fwd`)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    BK, BV = _pow2(K), _pow2(V)
+    if cu_seqlens is None:
+        N = B
+        cu = torch.arange(B + 1, device=dev, dtype=torch.int64) * T
+        n_slots = B * triton.cdiv(T, CHUNK)
+    else:
+        N = cu_seqlens.numel() - 1
+        cu = cu_seqlens.contiguous()
+        n_slots = triton.cdiv(T, CHUNK) + N - 1
+    chunk_map, first_slot = _chunk_list(cu, max(n_slots, 1))
+    f32 = dict(device=dev, dtype=torch.float32)
+    S = max(n_slots, 1)
+    S_bwd = S if for_bwd else 0
+    cp = ChunkPass(
+        N=N, H=H, K=K, V=V, BK=BK, BV=BV, BKB=min(BK, block_k), BVB=min(BV, block_k), BVT=min(BV, block_v),
+        n_slots=n_slots, cu=cu, chunk_map=chunk_map, first_slot=first_slot,
+        QG=torch.empty(S, H, CHUNK, BK, **f32), KGT=torch.empty(S, H, BK, CHUNK, **f32),
+        W=torch.empty(S, H, CHUNK, BK, **f32), U=torch.empty(S, H, CHUNK, BV, **f32),
+        AQK=torch.empty(S, H, CHUNK, CHUNK, **f32), DEC=torch.empty(S, H, BK, **f32),
+        AINV=torch.empty(S_bwd, H, CHUNK, CHUNK, **f32), AKK=torch.empty(S_bwd, H, CHUNK, CHUNK, **f32))
+    if n_slots > 0 and H > 0:
+        ainv, akk = (cp.AINV, cp.AKK) if for_bwd else (cp.AQK, cp.AQK)  # (not written unless for_bwd)
+        _chunk_kernel[(n_slots, H)](
+            q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, ainv, akk, float(scale),
+            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN, FOR_BWD=for_bwd,
+            num_warps=warps, maxnreg=chunk_maxnreg)
+    return cp
+
+
+def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_output: bool, HS=None, VN=None):
+    """Launch the state kernel: o and the final state, or (``split_output``, o None) the final
+    state, the state entering every chunk into HS and v_new into VN."""
+    if cp.N > 0 and cp.H > 0:
+        h0 = initial_state.contiguous() if initial_state is not None else final
+        _state_kernel[(cp.BV // cp.BVT, cp.H, cp.N)](
+            cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, final if o is None else o, h0, final, cp.cu, cp.first_slot,
+            final if HS is None else HS, final if VN is None else VN,
+            H=cp.H, K=cp.K, V=cp.V, BK=cp.BK, BV=cp.BV, BVT=cp.BVT, HAS_H0=initial_state is not None,
+            SPLIT=split_output, num_warps=warps, num_stages=STATE_STAGES)
+
+
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
                  block_k: int = 32, block_v: int = 64, warps: tuple[int, int] = (4, 4),
                  chunk_maxnreg: int | None = 168, split_output: bool = False):
@@ -458,49 +554,21 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    dev = q.device
-    BK, BV = _pow2(K), _pow2(V)
-    for name, blk in (("block_k", block_k), ("block_v", block_v)):
-        if blk not in (16, 32, 64):
-            raise ValueError(f"kda_fp32_fwd: {name} must be 16, 32 or 64, got {blk}")
-    if chunk_maxnreg is not None and not 32 <= chunk_maxnreg <= 255:
-        raise ValueError(f"kda_fp32_fwd: chunk_maxnreg must be None or 32..255 registers, got {chunk_maxnreg}")
-    BKB, BVB, BVT = min(BK, block_k), min(BV, block_k), min(BV, block_v)
-    if cu_seqlens is None:
-        N = B
-        cu = torch.arange(B + 1, device=dev, dtype=torch.int64) * T
-        n_slots = B * triton.cdiv(T, CHUNK)
-    else:
-        N = cu_seqlens.numel() - 1
-        cu = cu_seqlens.contiguous()
-        n_slots = triton.cdiv(T, CHUNK) + N - 1
+    _check_blocks("kda_fp32_fwd", block_k, block_v, chunk_maxnreg)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
+                    chunk_maxnreg=chunk_maxnreg, for_bwd=False)
     o = torch.empty_like(v)
-    final = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
-    chunk_map, first_slot = _chunk_list(cu, max(n_slots, 1))
-    f32 = dict(device=dev, dtype=torch.float32)
-    QG = torch.empty(max(n_slots, 1), H, CHUNK, BK, **f32)
-    W = torch.empty_like(QG)
-    KGT = torch.empty(max(n_slots, 1), H, BK, CHUNK, **f32)
-    U = torch.empty(max(n_slots, 1), H, CHUNK, BV, **f32)
-    AQK = torch.empty(max(n_slots, 1), H, CHUNK, CHUNK, **f32)
-    DEC = torch.empty(max(n_slots, 1), H, BK, **f32)
-    if n_slots > 0 and H > 0:
-        _chunk_kernel[(n_slots, H)](
-            q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, float(scale),
-            H=H, K=K, V=V, BK=BK, BV=BV, BKB=BKB, BVB=BVB, EPS=L2_EPS, SPAN=SPAN, num_warps=warps[0],
-            maxnreg=chunk_maxnreg)
-    HS = torch.empty(max(n_slots, 1), H, BK, BV, **f32) if split_output else final
-    VN = torch.empty_like(U) if split_output else final
-    if N > 0 and H > 0:
-        h0 = initial_state.contiguous() if initial_state is not None else final
-        _state_kernel[(BV // BVT, H, N)](
-            QG, KGT, W, U, AQK, DEC, o, h0, final, cu, first_slot, HS, VN,
-            H=H, K=K, V=V, BK=BK, BV=BV, BVT=BVT, HAS_H0=initial_state is not None, SPLIT=split_output,
-            num_warps=warps[1], num_stages=STATE_STAGES)
-    if split_output and n_slots > 0 and H > 0:
-        _output_kernel[(n_slots, H, BV // BVT)](
-            QG, AQK, HS, VN, o, chunk_map, cu, H=H, K=K, V=V, BK=BK, BV=BV, BVT=BVT, num_warps=warps[1])
+    final = torch.empty(cp.N, cp.H, cp.K, cp.V, device=q.device, dtype=torch.float32)
+    if not split_output:
+        state_pass(cp, o, initial_state, final, warps=warps[1], split_output=False)
+        return o, final
+    f32 = dict(device=q.device, dtype=torch.float32)
+    HS = torch.empty(cp.QG.shape[0], cp.H, cp.BK, cp.BV, **f32)
+    VN = torch.empty_like(cp.U)
+    state_pass(cp, o, initial_state, final, warps=warps[1], split_output=True, HS=HS, VN=VN)
+    if cp.n_slots > 0 and cp.H > 0:
+        _output_kernel[(cp.n_slots, cp.H, cp.BV // cp.BVT)](
+            cp.QG, cp.AQK, HS, VN, o, cp.chunk_map, cp.cu, H=cp.H, K=cp.K, V=cp.V, BK=cp.BK, BV=cp.BV,
+            BVT=cp.BVT, num_warps=warps[1])
     return o, final

@@ -20,10 +20,14 @@ column = position inside its chunk). Chunks of 64 tokens start at every document
 With ``residuals=False`` (forward only: nothing requires a gradient) these seven are empty
 (``[0]``, same dtypes): a forward-only call neither keeps them alive nor pays to define Aqk's
 entries above each chunk's diagonal, which flash-linear-attention leaves unwritten.
+Under ``"fp32"`` with K, V ≤ 128 they are always empty: on CUDA that precision runs the own FP32-grade
+Triton kernels (``inductor_ext.kernels.kda_fp32``), whose backward recomputes everything from the
+inputs; wider heads run flash-linear-attention's kernels on FP32 inputs (TF32 dots, logged once).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -37,6 +41,7 @@ __all__ = [
     "kda_chunk_reference",
     "kda_recurrent_reference",
     "drop_residuals",
+    "fp32_kernels_apply",
     "validate_kda_inputs",
     "check_kda_values",
 ]
@@ -45,6 +50,7 @@ CHUNK = 64
 PRECISIONS = ("bf16", "fp32")
 L2_EPS = 1e-6
 MAX_HEAD_DIM = 256
+FP32_KERNEL_MAX_DIM = 128  # the own FP32 Triton kernels' head-dim limit (inductor_ext.kernels.kda_fp32_triton)
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -287,11 +293,19 @@ def drop_residuals(out: tuple) -> tuple:
     return (*out[:2], *(r.new_empty(0) for r in out[2:]))
 
 
+def fp32_kernels_apply(q: torch.Tensor, v: torch.Tensor, precision: str) -> bool:
+    """Whether precision "fp32" runs the own FP32-grade kernels on CUDA (head dims K, V ≤ 128; wider
+    heads take flash-linear-attention's kernels on FP32 inputs, TF32 dots). Those recompute the
+    backward from the inputs, so the op's residuals are empty whenever this holds, on every device."""
+    return precision == "fp32" and q.shape[-1] <= FP32_KERNEL_MAX_DIM and v.shape[-1] <= FP32_KERNEL_MAX_DIM
+
+
 def _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     with torch.no_grad():
         out = tuple(x.contiguous() for x in kda_chunk_reference(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, precision))
-    return out if residuals else drop_residuals(out)
+    keep = residuals and not fp32_kernels_apply(q, v, precision)
+    return out if keep else drop_residuals(out)
 
 
 def _kda_chunk_bwd_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
@@ -342,16 +356,36 @@ def kda_recurrent(
 _FALLBACK = "the plain-torch reference kernel (slow, synchronises with the host)"
 
 
-def _fla(entry: str):
-    from inductor_ext.kernels import kda_fla
+@functools.cache
+def _log_wide_fp32(op_name: str, K: int, V: int) -> None:
+    backends.log.warning("%s: precision fp32 with head dims K=%d, V=%d (> %d) runs flash-linear-attention's "
+                         "kernels on FP32 inputs (TF32 dots, ~1e-3 relative error)", op_name, K, V, FP32_KERNEL_MAX_DIM)
 
-    return getattr(kda_fla, entry)
+
+def _cuda_kernel(entry: str, op_name: str, reference):
+    """CUDA kernel of ``op_name``: the own FP32 Triton kernels when :func:`fp32_kernels_apply`,
+    else flash-linear-attention's (``reference`` after logging once when fla-core is missing)."""
+
+    def kernel(q, k, v, *rest):
+        precision = rest[5]
+        if fp32_kernels_apply(q, v, precision):
+            from inductor_ext.kernels import kda_fp32
+
+            return getattr(kda_fp32, entry)(q, k, v, *rest)
+        if precision == "fp32":
+            _log_wide_fp32(op_name, q.shape[-1], v.shape[-1])
+        if backends.load("fla", op_name, fallback=_FALLBACK) is None:
+            return reference(q, k, v, *rest)
+        from inductor_ext.kernels import kda_fla
+
+        return getattr(kda_fla, entry)(q, k, v, *rest)
+
+    return kernel
 
 
-backends.register_cuda_kernel(kda_chunk, "glm53::kda_chunk", "fla", _kda_chunk_reference_kernel,
-                              lambda: _fla("kda_chunk_fwd"), fallback=_FALLBACK)
-backends.register_cuda_kernel(kda_chunk_bwd, "glm53::kda_chunk_bwd", "fla", _kda_chunk_bwd_reference_kernel,
-                              lambda: _fla("kda_chunk_bwd"), fallback=_FALLBACK)
+kda_chunk.register_kernel("cuda")(_cuda_kernel("kda_chunk_fwd", "glm53::kda_chunk", _kda_chunk_reference_kernel))
+kda_chunk_bwd.register_kernel("cuda")(
+    _cuda_kernel("kda_chunk_bwd", "glm53::kda_chunk_bwd", _kda_chunk_bwd_reference_kernel))
 
 
 # autograd: residual outputs are non-differentiable, grads of unused outputs stay None

@@ -1,0 +1,348 @@
+"""FP32-accurate KDA chunk backward in Triton: ``kda_fp32_bwd``, the VJP of ``kda_fp32_fwd``.
+
+Gradients of (o, final state) w.r.t. q, k, v, g, beta and the initial state, recomputed from the
+inputs (nothing is kept from the forward). Per chunk (rows i, j; ``T = A⁻¹``, ``h`` the state
+entering the chunk, ``h'`` the one leaving it, ``dh'`` its gradient)::
+
+    forward:  v_new = u − w·h,  o = qg·h + Aqk·v_new,  h' = e^{gc_last}·h + kgᵀ·v_new
+    backward: dv_new = Aqkᵀ·do + kg·dh',  dh = e^{gc_last}·dh' + qgᵀ·do − wᵀ·dv_new
+
+then, inside the chunk, through ``w = T(β k̂ e^{gc})``, ``u = T(β v)``, ``A = I + β_i·KK`` and the decay
+products ``Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}`` (same 16-column blocks, reference rows and exact path for
+steep gates as the forward), the FP64 chunk cumulative gate (a reverse cumsum) and the L2 norms.
+
+Four launches, no host synchronisation:
+
+1. the forward's ``_chunk_kernel`` with ``FOR_BWD``: also stores A⁻¹ and the k̂–k̂ products;
+2. the forward's ``_state_kernel`` with ``SPLIT``: the state entering every chunk and v_new;
+3. ``_state_bwd_kernel``, one program per (V block, head, document), backwards over chunks with dh
+   in registers: stores dv_new and the dh' of every chunk, and dh0;
+4. ``_chunk_bwd_kernel``, one program per (chunk, head): dq, dk, dv, dg, dβ.
+
+Every dot is ``_dot3`` (three TF32 MMAs on split operands). Scratch at T = 16384, H = 64, K = V = 128:
+about 8 GB of FP32 intermediates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from inductor_ext.ops.kda import L2_EPS
+from inductor_ext.kernels import kda_fp32_triton
+from inductor_ext.kernels.kda_fp32_triton import (
+    STATE_STAGES,
+    _check,
+    _check_blocks,
+    _dot3,
+    _inv_norms,
+    _k_slice,
+    _slot,
+    chunk_pass,
+    state_pass,
+)
+
+__all__ = ["kda_fp32_bwd"]
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel 3: the state pass backwards, one program per (V block, head, document)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_t(ptr, rows, cols, ld: tl.constexpr):
+    """The transpose of the row-major tile ``ptr[rows, cols]`` (leading dimension ld)."""
+    return tl.trans(tl.load(ptr + rows[:, None] * ld + cols[None, :]))
+
+
+@triton.jit
+def _state_bwd_kernel(QG, KGT, W, AQK, DEC, do, dht, dh0, cu, first_slot, DHS, DVN,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      BVT: tl.constexpr, HAS_DHT: tl.constexpr):
+    # dh [K, BVT] held as one or two [≤64, BVT] tiles (K rows 0-63, 64-127), as the forward state
+    KS: tl.constexpr = BK if BK < 64 else 64
+    TWO: tl.constexpr = BK > 64
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.program_id(2)
+    bos = tl.load(cu + i_n)
+    length = tl.load(cu + i_n + 1) - bos
+    slot0 = tl.load(first_slot + i_n)
+    r = tl.arange(0, 64)
+    ck = tl.arange(0, KS)
+    cv = i_v * BVT + tl.arange(0, BVT)
+    m_a = (ck < K)[:, None] & (cv < V)[None, :]
+    m_b = (ck + 64 < K)[:, None] & (cv < V)[None, :]
+    off_a = ((i_n * H + i_h) * K + ck[:, None]).to(tl.int64) * V + cv[None, :]
+    off_b = off_a + 64 * V
+    if HAS_DHT:
+        da = tl.load(dht + off_a, mask=m_a, other=0.0)
+        db = tl.load(dht + off_b, mask=m_b, other=0.0)
+    else:
+        da = tl.zeros([KS, BVT], dtype=tl.float32)
+        db = tl.zeros([KS, BVT], dtype=tl.float32)
+    n_chunks = tl.cdiv(length, 64).to(tl.int32)
+    for i in range(n_chunks):
+        it = n_chunks - 1 - i
+        slot = (slot0 + it).to(tl.int64) * H + i_h
+        p_h = DHS + slot * (BK * BV) + ck[:, None] * BV + cv[None, :]
+        tl.store(p_h, da)  # dh' of this chunk: the gradient of the state leaving it
+        if TWO:
+            tl.store(p_h + 64 * BV, db)
+        tok = bos + it * 64 + r
+        m_o = (r < length - it * 64)[:, None] & (cv < V)[None, :]
+        d_o = tl.load(do + tok[:, None] * (H * V) + i_h * V + cv[None, :], mask=m_o, other=0.0).to(tl.float32)
+        base = slot * (64 * BK)
+        # dv_new = Aqkᵀ·do + kg·dh'   (kg = KGTᵀ)
+        dvn = _dot3(_tile_t(AQK + slot * 4096, r, r, 64), d_o)
+        dvn += _dot3(_tile_t(KGT + slot * (BK * 64), ck, r, 64), da)
+        if TWO:
+            dvn += _dot3(_tile_t(KGT + slot * (BK * 64) + 64 * 64, ck, r, 64), db)
+        tl.store(DVN + slot * (64 * BV) + r[:, None] * BV + cv[None, :], dvn)
+        # dh = e^{gc_last}·dh' + qgᵀ·do − wᵀ·dv_new
+        p_d = DEC + slot * BK + ck
+        da = da * tl.load(p_d)[:, None] + _dot3(_tile_t(QG + base, r, ck, BK), d_o) \
+            - _dot3(_tile_t(W + base, r, ck, BK), dvn)
+        if TWO:
+            db = db * tl.load(p_d + 64)[:, None] + _dot3(_tile_t(QG + base + 64, r, ck, BK), d_o) \
+                - _dot3(_tile_t(W + base + 64, r, ck, BK), dvn)
+    tl.store(dh0 + off_a, da, mask=m_a)
+    if TWO:
+        tl.store(dh0 + off_b, db, mask=m_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel 4: within-chunk gradients, one program per (chunk slot, head)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _col_block_bwd_exact(qh, kh, gc, kJ, gJ, dpq, dpk, r, J: tl.constexpr, BKB: tl.constexpr):
+    """Backward of column block J, one column j at a time with the exact e^{gc_i − gc_j}."""
+    a16 = tl.arange(0, 16)
+    gq = tl.zeros([64, BKB], dtype=tl.float32)
+    gk = tl.zeros([64, BKB], dtype=tl.float32)
+    g_left = tl.zeros([64, BKB], dtype=tl.float32)
+    dkJ = tl.zeros([16, BKB], dtype=tl.float32)
+    for jj in range(16):
+        pick = (a16 == jj)[:, None]
+        kj = tl.sum(tl.where(pick, kJ, 0.0), 0)
+        gj = tl.sum(tl.where(pick, gJ, 0.0), 0)
+        keep = r[:, None] >= 16 * J + jj
+        dec = tl.where(keep, tl.exp(tl.where(keep, gc - gj[None, :], 0.0).to(tl.float32)), 0.0)
+        col = (a16 == jj)[None, :]
+        pq = tl.sum(tl.where(col, dpq, 0.0), 1)[:, None]  # dP[:, j]
+        pk = tl.sum(tl.where(col, dpk, 0.0), 1)[:, None]
+        kd = kj[None, :] * dec
+        gq += pq * kd
+        gk += pk * kd
+        t = (pq * qh + pk * kh) * dec  # dP_ij x_ik e^{gc_ik − gc_jk}
+        g_left += t * kj[None, :]
+        dkJ = tl.where(pick, tl.sum(t, 0)[None, :], dkJ)
+    return gq, gk, g_left, dkJ
+
+
+@triton.jit
+def _col_block_bwd(qh, kh, gc, r, dpq, dpk, J: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
+    """One K-slice's gradients through column block J of the decay products ``P_ij = Σ_k x_ik k̂_jk
+    e^{gc_ik − gc_jk}`` (x = q̂ with dP = dpq, x = k̂ with dP = dpk; [64,16] each, masked):
+    returns d q̂, d k̂ and d gc, [64, BKB] FP32 each. Factors as in the forward's ``_col_block``."""
+    sel = (tl.arange(0, 4) == J)[:, None, None]
+    kJ = tl.sum(tl.where(sel, tl.reshape(kh, [4, 16, BKB]), 0.0), 0)
+    gJ = tl.sum(tl.where(sel, tl.reshape(gc, [4, 16, BKB]), 0.0), 0)
+    ref = tl.sum(tl.where((tl.arange(0, 16) == 8)[:, None], gJ, 0.0), 0)
+    below = r[:, None] >= 16 * J
+    left = tl.where(below, gc - ref[None, :], 0.0).to(tl.float32)
+    right = (ref[None, :] - gJ).to(tl.float32)
+    span = tl.maximum(tl.max(left), tl.max(right))
+    if span <= SPAN:
+        el = tl.exp(left)
+        er = tl.exp(right)
+        kr = kJ * er  # [16, BKB]
+        gq = el * _dot3(dpq, kr)
+        gk = el * _dot3(dpk, kr)
+        dkJ = er * (_dot3(tl.trans(dpq), qh * el) + _dot3(tl.trans(dpk), kh * el))
+        g_left = qh * gq + kh * gk
+    else:
+        gq, gk, g_left, dkJ = _col_block_bwd_exact(qh, kh, gc, kJ, gJ, dpq, dpk, r, J, BKB)
+    # the right factor's rows (block J): d k̂_j, and d gc_j = −k̂_j·d k̂_j
+    dk_right = tl.reshape(tl.where(sel, dkJ[None, :, :], 0.0), [64, BKB])
+    g_right = tl.reshape(tl.where(sel, (-kJ * dkJ)[None, :, :], 0.0), [64, BKB])
+    return gq, gk + dk_right, g_left + g_right
+
+
+@triton.jit
+def _decay_products_bwd(DP, qh, kh, gc, r, BKB: tl.constexpr, SPAN: tl.constexpr):
+    """Sum of :func:`_col_block_bwd` over the four column blocks (dP read back from DP)."""
+    a16 = tl.arange(0, 16)
+    dq = tl.zeros([64, BKB], dtype=tl.float32)
+    dk = tl.zeros([64, BKB], dtype=tl.float32)
+    dg = tl.zeros([64, BKB], dtype=tl.float32)
+    for J in tl.static_range(4):
+        off = r[:, None] * 64 + 16 * J + a16[None, :]
+        gq, gk, gg = _col_block_bwd(qh, kh, gc, r, tl.load(DP + off), tl.load(DP + 4096 + off), J, BKB, SPAN)
+        dq += gq
+        dk += gk
+        dg += gg
+    return dq, dk, dg
+
+
+@triton.jit
+def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AINV, AKK, HS, DHS, VN, DVN, DEC,
+                      DP, DBW, DQK, dq, dk, dv, dg, dbeta, scale,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr):
+    i_h = tl.program_id(1)
+    r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
+    rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
+    b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
+    c64 = tl.arange(0, 64)
+    t_inv = tl.trans(tl.load(AINV + slot * 4096 + r[:, None] * 64 + c64[None, :]))  # Tᵀ
+    u_base = slot * (64 * BV)
+    k_base = slot * (64 * BK)
+    h_base = slot * (BK * BV)
+
+    # (a) over V: dv = β·Tᵀdu (du = dv_new), dβ, dA −= Tᵀdu·uᵀ, dAqk = do·v_newᵀ
+    d_aqk = tl.zeros([64, 64], dtype=tl.float32)
+    d_a = tl.zeros([64, 64], dtype=tl.float32)
+    db = tl.zeros([64], dtype=tl.float32)
+    for vb in range(BV // BVB):
+        c = vb * BVB + tl.arange(0, BVB)
+        m = rows[:, None] & (c < V)[None, :]
+        t_off = tok[:, None] * (H * V) + i_h * V + c[None, :]
+        p_u = u_base + r[:, None] * BV + c[None, :]
+        dbu = _dot3(t_inv, tl.load(DVN + p_u))
+        vx = tl.load(v + t_off, mask=m, other=0.0).to(tl.float32)
+        tl.store(dv + t_off, (dbu * b[:, None]).to(dv.dtype.element_ty), mask=m)
+        db += tl.sum(dbu * vx, 1)
+        d_a -= _dot3(dbu, tl.trans(tl.load(U + p_u)))
+        d_aqk += _dot3(tl.load(do + t_off, mask=m, other=0.0).to(tl.float32), tl.trans(tl.load(VN + p_u)))
+
+    # (b) over K: dw = −dv_new·hᵀ, d(βk̂e^{gc}) = Tᵀdw (kept in DBW for (d)), dA −= Tᵀdw·wᵀ
+    for kb in range(BK // BKB):
+        c = kb * BKB + tl.arange(0, BKB)
+        dw = tl.zeros([64, BKB], dtype=tl.float32)
+        for vb in range(BV // BVB):
+            cv = vb * BVB + tl.arange(0, BVB)
+            hx = tl.load(HS + h_base + c[:, None] * BV + cv[None, :])
+            dw -= _dot3(tl.load(DVN + u_base + r[:, None] * BV + cv[None, :]), tl.trans(hx))
+        dbw = _dot3(t_inv, dw)
+        p_k = k_base + r[:, None] * BK + c[None, :]
+        tl.store(DBW + p_k, dbw)
+        d_a -= _dot3(dbw, tl.trans(tl.load(W + p_k)))
+
+    # (c) the decay products' cotangents, masked: scale·dAqk (j ≤ i) and β_i·dA (j < i); dβ from A
+    akk = tl.load(AKK + slot * 4096 + r[:, None] * 64 + c64[None, :])
+    d_a = tl.where(r[:, None] > c64[None, :], d_a, 0.0)
+    db += tl.sum(d_a * akk, 1)
+    dp = DP + slot * 8192
+    tl.store(dp + r[:, None] * 64 + c64[None, :], tl.where(r[:, None] >= c64[None, :], d_aqk * scale, 0.0))
+    tl.store(dp + 4096 + r[:, None] * 64 + c64[None, :], d_a * b[:, None])
+    tl.debug_barrier()  # DP is read back below in other threads' layout
+
+    # (d) over K: d q̂, d k̂, d gc from qg, kg, βk̂e^{gc}, e^{gc_last} and the decay products; dg
+    sq = tl.zeros([64], dtype=tl.float32)
+    sk = tl.zeros([64], dtype=tl.float32)
+    for kb in range(BK // BKB):
+        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+        eg = tl.exp(gc.to(tl.float32))
+        el = tl.exp((gl[None, :] - gc).to(tl.float32))
+        kg = kh * el
+        dqg = tl.zeros([64, BKB], dtype=tl.float32)
+        dkg = tl.zeros([64, BKB], dtype=tl.float32)
+        ddec = tl.zeros([BKB], dtype=tl.float32)
+        for vb in range(BV // BVB):
+            cv = vb * BVB + tl.arange(0, BVB)
+            m = rows[:, None] & (cv < V)[None, :]
+            p_h = h_base + c[:, None] * BV + cv[None, :]
+            hx = tl.load(HS + p_h)
+            dhx = tl.load(DHS + p_h)
+            d_o = tl.load(do + tok[:, None] * (H * V) + i_h * V + cv[None, :], mask=m, other=0.0).to(tl.float32)
+            dqg += _dot3(d_o, tl.trans(hx))
+            dkg += _dot3(tl.load(VN + u_base + r[:, None] * BV + cv[None, :]), tl.trans(dhx))
+            ddec += tl.sum(hx * dhx, 1)
+        p_k = k_base + r[:, None] * BK + c[None, :]
+        dbw = tl.load(DBW + p_k)
+        bkg = b[:, None] * kh * eg
+        dqh = scale * eg * dqg
+        dkh = el * dkg + b[:, None] * eg * dbw
+        dgc = scale * qh * eg * dqg - kg * dkg + bkg * dbw
+        dgl = ddec * tl.exp(gl.to(tl.float32)) + tl.sum(kg * dkg, 0)
+        db += tl.sum(kh * eg * dbw, 1)
+        pq, pk, pg = _decay_products_bwd(dp, qh, kh, gc, r, BKB, SPAN)
+        dqh += pq
+        dkh += pk
+        dgc = tl.where(rows[:, None], dgc + pg, 0.0)
+        m = rows[:, None] & (c < K)[None, :]
+        t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
+        tl.store(dg + t_off, (tl.cumsum(dgc, 0, reverse=True) + dgl[None, :]).to(dg.dtype.element_ty), mask=m)
+        sq += tl.sum(qh * dqh, 1)
+        sk += tl.sum(kh * dkh, 1)
+        tl.store(DQK + 2 * k_base + r[:, None] * BK + c[None, :], dqh)
+        tl.store(DQK + 2 * k_base + 64 * BK + r[:, None] * BK + c[None, :], dkh)
+    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=rows)
+    tl.debug_barrier()  # DQK is read back below in other threads' layout
+
+    # (e) through the L2 norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖
+    for kb in range(BK // BKB):
+        c = kb * BKB + tl.arange(0, BKB)
+        m = rows[:, None] & (c < K)[None, :]
+        t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
+        p_k = 2 * k_base + r[:, None] * BK + c[None, :]
+        qh = tl.load(q + t_off, mask=m, other=0.0).to(tl.float32) * rq[:, None]
+        kh = tl.load(k + t_off, mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        dqx = rq[:, None] * (tl.load(DQK + p_k) - qh * sq[:, None])
+        dkx = rk[:, None] * (tl.load(DQK + p_k + 64 * BK) - kh * sk[:, None])
+        tl.store(dq + t_off, dqx.to(dq.dtype.element_ty), mask=m)
+        tl.store(dk + t_off, dkx.to(dk.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------
+# host wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=None, *,
+                 block_k: int = 32, block_v: int = 64, warps: tuple[int, int, int, int] = (4, 4, 4, 4),
+                 chunk_maxnreg: int | None = 168):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) of ``kda_fp32_fwd(q, k, v, g, beta, scale,
+    initial_state, cu_seqlens)`` for the cotangents ``do`` (o's shape, any float dtype) and
+    ``dht`` (FP32 ``[N,H,K,V]`` or None: zero). Each gradient in its input's dtype, dh0 FP32 (zeros'
+    gradient when there is no initial state). Inputs as for ``kda_fp32_fwd``; ``warps`` per kernel
+    (chunk, state, state backward, chunk backward), the other knobs as there."""
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_maxnreg)
+    if do.shape != v.shape:
+        raise ValueError(f"kda_fp32_bwd: do must have o's shape {tuple(v.shape)}, got {tuple(do.shape)}")
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
+                    chunk_maxnreg=chunk_maxnreg, for_bwd=True)
+    N, H, K, V, BK, BV = cp.N, cp.H, cp.K, cp.V, cp.BK, cp.BV
+    if dht is not None and (dht.dtype != torch.float32 or tuple(dht.shape) != (N, H, K, V)):
+        raise ValueError(f"kda_fp32_bwd: dht must be float32 [N,H,K,V] = {(N, H, K, V)}, got "
+                         f"{dht.dtype} {tuple(dht.shape)}")
+    f32 = dict(device=q.device, dtype=torch.float32)
+    S = cp.QG.shape[0]
+    HS = torch.empty(S, H, BK, BV, **f32)
+    VN = torch.empty_like(cp.U)
+    final = torch.empty(N, H, K, V, **f32)
+    state_pass(cp, None, initial_state, final, warps=warps[1], split_output=True, HS=HS, VN=VN)
+    DHS, DVN = torch.empty_like(HS), torch.empty_like(VN)
+    dh0 = torch.empty(N, H, K, V, **f32)
+    if N > 0 and H > 0:
+        _state_bwd_kernel[(BV // cp.BVT, H, N)](
+            cp.QG, cp.KGT, cp.W, cp.AQK, cp.DEC, do, dht.contiguous() if dht is not None else dh0, dh0,
+            cp.cu, cp.first_slot, DHS, DVN, H=H, K=K, V=V, BK=BK, BV=BV, BVT=cp.BVT, HAS_DHT=dht is not None,
+            num_warps=warps[2], num_stages=STATE_STAGES)
+    dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
+    if cp.n_slots > 0 and H > 0:
+        DP = torch.empty(S, H, 2, 64, 64, **f32)
+        DBW = torch.empty_like(cp.W)
+        DQK = torch.empty(S, H, 2, 64, BK, **f32)
+        _chunk_bwd_kernel[(cp.n_slots, H)](
+            q, k, v, g, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AINV, cp.AKK, HS, DHS, VN, DVN, cp.DEC,
+            DP, DBW, DQK, dq, dk, dv, dg, dbeta, float(scale),
+            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN, num_warps=warps[3])
+    return dq, dk, dv, dg, dbeta, dh0
