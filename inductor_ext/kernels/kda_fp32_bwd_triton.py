@@ -306,14 +306,16 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AINV, AKK, HS, 
 
 def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=None, *,
                  block_k: int = 32, block_v: int = 64, warps: tuple[int, int, int, int] = (4, 4, 4, 4),
-                 chunk_maxnreg: int | None = 168):
+                 chunk_maxnreg: int | None = 168, chunk_bwd_maxnreg: int | None = None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of ``kda_fp32_fwd(q, k, v, g, beta, scale,
     initial_state, cu_seqlens)`` for the cotangents ``do`` (o's shape, any float dtype) and
     ``dht`` (FP32 ``[N,H,K,V]`` or None: zero). Each gradient in its input's dtype, dh0 FP32 (zeros'
     gradient when there is no initial state). Inputs as for ``kda_fp32_fwd``; ``warps`` per kernel
-    (chunk, state, state backward, chunk backward), the other knobs as there."""
+    (chunk, state, state backward, chunk backward), ``chunk_bwd_maxnreg`` the register cap of the
+    chunk backward kernel, the other knobs as there."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_maxnreg)
+    _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_bwd_maxnreg)
     if do.shape != v.shape:
         raise ValueError(f"kda_fp32_bwd: do must have o's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
@@ -344,5 +346,6 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         _chunk_bwd_kernel[(cp.n_slots, H)](
             q, k, v, g, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AINV, cp.AKK, HS, DHS, VN, DVN, cp.DEC,
             DP, DBW, DQK, dq, dk, dv, dg, dbeta, float(scale),
-            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN, num_warps=warps[3])
+            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN, num_warps=warps[3],
+            maxnreg=chunk_bwd_maxnreg)
     return dq, dk, dv, dg, dbeta, dh0
