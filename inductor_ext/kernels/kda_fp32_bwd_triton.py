@@ -32,7 +32,6 @@ import triton.language as tl
 from inductor_ext.ops.kda import L2_EPS
 from inductor_ext.kernels import kda_fp32_triton
 from inductor_ext.kernels.kda_fp32_triton import (
-    STATE_STAGES,
     _check,
     _check_blocks,
     _dot3,
@@ -44,6 +43,10 @@ from inductor_ext.kernels.kda_fp32_triton import (
 )
 
 __all__ = ["kda_fp32_bwd"]
+
+# the backward state pass is not software-pipelined: H200, T = 16384, H = 64, K = V = 128, block_v 64:
+# 3.95 ms at 1 stage against 6.06 ms at 2 (its loop carries five dots and 196 KB of staged loads)
+STATE_BWD_STAGES = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,79 +122,63 @@ def _state_bwd_kernel(QG, KGT, W, AQK, DEC, do, dht, dh0, cu, first_slot, DHS, D
 
 
 @triton.jit
-def _col_block_bwd_exact(qh, kh, gc, kJ, gJ, dpq, dpk, r, J: tl.constexpr, BKB: tl.constexpr):
-    """Backward of column block J, one column j at a time with the exact e^{gc_i − gc_j}."""
-    a16 = tl.arange(0, 16)
+def _row_block_bwd(dp, qh, kh, gc, r, I: tl.constexpr, SPAN: tl.constexpr):
+    """One K-slice's gradients through the decay products ``P_ij = Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}``
+    (x = q̂ with cotangent dP_q at ``dp``, x = k̂ with dP_k at ``dp + 4096``; [64,64] each, masked) for
+    the pairs of row block I (rows 16I..16I+15, j ≤ i): e^{gc_i − gc_j} = e^{gc_i − gc_r}·e^{gc_r − gc_j}
+    with r = 16I+8, four tensor-core dots on all 64 rows (the rows outside block I are zeroed by
+    their factor: no row selections). Returns d q̂, d k̂ and d gc ([64, BKB] FP32) and ok: whether
+    every factor's exponent is ≤ SPAN. If not, the block contributes nothing here and
+    ``_chunk_bwd_finish_kernel`` takes the exact path for it."""
+    c64 = tl.arange(0, 64)
+    ref = tl.sum(tl.where((r == 16 * I + 8)[:, None], gc, 0.0), 0)
+    in_i = (r // 16 == I)[:, None]
+    upto = (r < 16 * I + 16)[:, None]
+    left = tl.where(in_i, gc - ref[None, :], 0.0).to(tl.float32)
+    right = tl.where(upto, ref[None, :] - gc, 0.0).to(tl.float32)
+    ok = tl.max(tl.maximum(left, right)) <= SPAN
+    el = tl.where(in_i, tl.exp(tl.where(ok, left, -float("inf"))), 0.0)  # all zero unless ok
+    er = tl.where(upto, tl.exp(tl.where(ok, right, -float("inf"))), 0.0)
+    kr = kh * er
+    off = r[:, None] * 64 + c64[None, :]
+    off_t = c64[None, :] * 64 + r[:, None]  # dPᵀ, read transposed from memory
+    gq = el * _dot3(tl.load(dp + off), kr)
+    gk = el * _dot3(tl.load(dp + 4096 + off), kr)
+    dkr = er * (_dot3(tl.load(dp + off_t), qh * el) + _dot3(tl.load(dp + 4096 + off_t), kh * el))
+    return gq, gk + dkr, qh * gq + kh * gk - kh * dkr, ok
+
+
+@triton.jit
+def _row_block_bwd_exact(dp, qh, kh, gc, r, I: tl.constexpr, BKB: tl.constexpr):
+    """:func:`_row_block_bwd` for steep gates: the same pairs, one column j at a time with the
+    exact e^{gc_i − gc_j} (every exponent ≤ 0 after masking when the gates are decays)."""
     gq = tl.zeros([64, BKB], dtype=tl.float32)
     gk = tl.zeros([64, BKB], dtype=tl.float32)
-    g_left = tl.zeros([64, BKB], dtype=tl.float32)
-    dkJ = tl.zeros([16, BKB], dtype=tl.float32)
-    for jj in range(16):
-        pick = (a16 == jj)[:, None]
-        kj = tl.sum(tl.where(pick, kJ, 0.0), 0)
-        gj = tl.sum(tl.where(pick, gJ, 0.0), 0)
-        keep = r[:, None] >= 16 * J + jj
+    gg = tl.zeros([64, BKB], dtype=tl.float32)
+    dkr = tl.zeros([64, BKB], dtype=tl.float32)
+    in_i = r // 16 == I
+    for j in range(16 * I + 16):
+        at_j = (r == j)[:, None]
+        kj = tl.sum(tl.where(at_j, kh, 0.0), 0)
+        gj = tl.sum(tl.where(at_j, gc, 0.0), 0)
+        keep = (in_i & (r >= j))[:, None]
         dec = tl.where(keep, tl.exp(tl.where(keep, gc - gj[None, :], 0.0).to(tl.float32)), 0.0)
-        col = (a16 == jj)[None, :]
-        pq = tl.sum(tl.where(col, dpq, 0.0), 1)[:, None]  # dP[:, j]
-        pk = tl.sum(tl.where(col, dpk, 0.0), 1)[:, None]
+        pq = tl.load(dp + r * 64 + j)[:, None]  # column j of dP
+        pk = tl.load(dp + 4096 + r * 64 + j)[:, None]
         kd = kj[None, :] * dec
         gq += pq * kd
         gk += pk * kd
         t = (pq * qh + pk * kh) * dec  # dP_ij x_ik e^{gc_ik − gc_jk}
-        g_left += t * kj[None, :]
-        dkJ = tl.where(pick, tl.sum(t, 0)[None, :], dkJ)
-    return gq, gk, g_left, dkJ
-
-
-@triton.jit
-def _col_block_bwd(qh, kh, gc, r, dpq, dpk, J: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
-    """One K-slice's gradients through column block J of the decay products ``P_ij = Σ_k x_ik k̂_jk
-    e^{gc_ik − gc_jk}`` (x = q̂ with dP = dpq, x = k̂ with dP = dpk; [64,16] each, masked):
-    returns d q̂, d k̂ and d gc, [64, BKB] FP32 each. Factors as in the forward's ``_col_block``."""
-    sel = (tl.arange(0, 4) == J)[:, None, None]
-    kJ = tl.sum(tl.where(sel, tl.reshape(kh, [4, 16, BKB]), 0.0), 0)
-    gJ = tl.sum(tl.where(sel, tl.reshape(gc, [4, 16, BKB]), 0.0), 0)
-    ref = tl.sum(tl.where((tl.arange(0, 16) == 8)[:, None], gJ, 0.0), 0)
-    below = r[:, None] >= 16 * J
-    left = tl.where(below, gc - ref[None, :], 0.0).to(tl.float32)
-    right = (ref[None, :] - gJ).to(tl.float32)
-    span = tl.maximum(tl.max(left), tl.max(right))
-    if span <= SPAN:
-        el = tl.exp(left)
-        er = tl.exp(right)
-        kr = kJ * er  # [16, BKB]
-        gq = el * _dot3(dpq, kr)
-        gk = el * _dot3(dpk, kr)
-        dkJ = er * (_dot3(tl.trans(dpq), qh * el) + _dot3(tl.trans(dpk), kh * el))
-        g_left = qh * gq + kh * gk
-    else:
-        gq, gk, g_left, dkJ = _col_block_bwd_exact(qh, kh, gc, kJ, gJ, dpq, dpk, r, J, BKB)
-    # the right factor's rows (block J): d k̂_j, and d gc_j = −k̂_j·d k̂_j
-    dk_right = tl.reshape(tl.where(sel, dkJ[None, :, :], 0.0), [64, BKB])
-    g_right = tl.reshape(tl.where(sel, (-kJ * dkJ)[None, :, :], 0.0), [64, BKB])
-    return gq, gk + dk_right, g_left + g_right
-
-
-@triton.jit
-def _decay_products_bwd(DP, qh, kh, gc, r, BKB: tl.constexpr, SPAN: tl.constexpr):
-    """Sum of :func:`_col_block_bwd` over the four column blocks (dP read back from DP)."""
-    a16 = tl.arange(0, 16)
-    dq = tl.zeros([64, BKB], dtype=tl.float32)
-    dk = tl.zeros([64, BKB], dtype=tl.float32)
-    dg = tl.zeros([64, BKB], dtype=tl.float32)
-    for J in tl.static_range(4):
-        off = r[:, None] * 64 + 16 * J + a16[None, :]
-        gq, gk, gg = _col_block_bwd(qh, kh, gc, r, tl.load(DP + off), tl.load(DP + 4096 + off), J, BKB, SPAN)
-        dq += gq
-        dk += gk
-        dg += gg
-    return dq, dk, dg
+        gg += t * kj[None, :]
+        dkj = tl.sum(t, 0)
+        dkr = tl.where(at_j, dkr + dkj[None, :], dkr)
+        gg = tl.where(at_j, gg - (kj * dkj)[None, :], gg)
+    return gq, gk + dkr, gg
 
 
 @triton.jit
 def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AINV, AKK, HS, DHS, VN, DVN, DEC,
-                      DP, DBW, DQK, dq, dk, dv, dg, dbeta, scale,
+                      DP, DBW, DQK, DGC, FLAG, dv, dbeta, scale,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr):
     i_h = tl.program_id(1)
@@ -242,9 +229,8 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AINV, AKK, HS, 
     tl.store(dp + 4096 + r[:, None] * 64 + c64[None, :], d_a * b[:, None])
     tl.debug_barrier()  # DP is read back below in other threads' layout
 
-    # (d) over K: d q̂, d k̂, d gc from qg, kg, βk̂e^{gc}, e^{gc_last} and the decay products; dg
-    sq = tl.zeros([64], dtype=tl.float32)
-    sk = tl.zeros([64], dtype=tl.float32)
+    # (d) over K: d q̂, d k̂ and d gc (for _chunk_bwd_finish_kernel) from qg, kg, βk̂e^{gc}, e^{gc_last}
+    # and the decay products; dβ
     for kb in range(BK // BKB):
         c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
         eg = tl.exp(gc.to(tl.float32))
@@ -265,36 +251,72 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AINV, AKK, HS, 
             ddec += tl.sum(hx * dhx, 1)
         p_k = k_base + r[:, None] * BK + c[None, :]
         dbw = tl.load(DBW + p_k)
-        bkg = b[:, None] * kh * eg
         dqh = scale * eg * dqg
         dkh = el * dkg + b[:, None] * eg * dbw
-        dgc = scale * qh * eg * dqg - kg * dkg + bkg * dbw
-        dgl = ddec * tl.exp(gl.to(tl.float32)) + tl.sum(kg * dkg, 0)
+        dgc = scale * qh * eg * dqg - kg * dkg + b[:, None] * kh * eg * dbw
         db += tl.sum(kh * eg * dbw, 1)
-        pq, pk, pg = _decay_products_bwd(dp, qh, kh, gc, r, BKB, SPAN)
-        dqh += pq
-        dkh += pk
-        dgc = tl.where(rows[:, None], dgc + pg, 0.0)
-        m = rows[:, None] & (c < K)[None, :]
-        t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
-        tl.store(dg + t_off, (tl.cumsum(dgc, 0, reverse=True) + dgl[None, :]).to(dg.dtype.element_ty), mask=m)
-        sq += tl.sum(qh * dqh, 1)
-        sk += tl.sum(kh * dkh, 1)
+        for I in tl.static_range(4):
+            gq, gk, gg, ok = _row_block_bwd(dp, qh, kh, gc, r, I, SPAN)
+            dqh += gq
+            dkh += gk
+            dgc += gg
+            tl.store(FLAG + (slot * (BK // BKB) + kb) * 4 + I, tl.where(ok, 0, 1))
+        # d gc_last reaches every row ≤ n-1 through the reverse cumsum: add it at row n-1
+        dgl = ddec * tl.exp(gl.to(tl.float32)) + tl.sum(kg * dkg, 0)
+        dgc = tl.where(rows[:, None], dgc, 0.0) + tl.where((r == n - 1)[:, None], dgl[None, :], 0.0)
+        tl.store(DGC + p_k, dgc)
         tl.store(DQK + 2 * k_base + r[:, None] * BK + c[None, :], dqh)
         tl.store(DQK + 2 * k_base + 64 * BK + r[:, None] * BK + c[None, :], dkh)
     tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=rows)
-    tl.debug_barrier()  # DQK is read back below in other threads' layout
 
-    # (e) through the L2 norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖
+
+@triton.jit
+def _chunk_bwd_finish_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG, dq, dk, dg,
+                             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
+                             EPS: tl.constexpr):
+    # one program per (chunk slot, head): the exact path for the flagged blocks, dg = reverse cumsum
+    # of d gc, and dq, dk through the L2 norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖
+    i_h = tl.program_id(1)
+    r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
+    rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
+    k_base = slot * (64 * BK)
+    dp = DP + slot * 8192
+    sq = tl.zeros([64], dtype=tl.float32)
+    sk = tl.zeros([64], dtype=tl.float32)
+    for kb in range(BK // BKB):
+        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+        p_k = k_base + r[:, None] * BK + c[None, :]
+        p_q = 2 * k_base + r[:, None] * BK + c[None, :]
+        dqh = tl.load(DQK + p_q)
+        dkh = tl.load(DQK + p_q + 64 * BK)
+        dgc = tl.load(DGC + p_k)
+        p_f = FLAG + (slot * (BK // BKB) + kb) * 4
+        fixed = tl.load(p_f) + tl.load(p_f + 1) + tl.load(p_f + 2) + tl.load(p_f + 3)
+        if fixed != 0:
+            for I in tl.static_range(4):
+                if tl.load(p_f + I) != 0:
+                    gq, gk, gg = _row_block_bwd_exact(dp, qh, kh, gc, r, I, BKB)
+                    dqh += gq
+                    dkh += gk
+                    dgc += tl.where(rows[:, None], gg, 0.0)
+            tl.debug_barrier()
+            tl.store(DQK + p_q, dqh)
+            tl.store(DQK + p_q + 64 * BK, dkh)
+        m = rows[:, None] & (c < K)[None, :]
+        t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
+        tl.store(dg + t_off, tl.cumsum(dgc, 0, reverse=True).to(dg.dtype.element_ty), mask=m)
+        sq += tl.sum(qh * dqh, 1)
+        sk += tl.sum(kh * dkh, 1)
+    tl.debug_barrier()  # DQK is read back below in other threads' layout
     for kb in range(BK // BKB):
         c = kb * BKB + tl.arange(0, BKB)
         m = rows[:, None] & (c < K)[None, :]
         t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
-        p_k = 2 * k_base + r[:, None] * BK + c[None, :]
+        p_q = 2 * k_base + r[:, None] * BK + c[None, :]
         qh = tl.load(q + t_off, mask=m, other=0.0).to(tl.float32) * rq[:, None]
         kh = tl.load(k + t_off, mask=m, other=0.0).to(tl.float32) * rk[:, None]
-        dqx = rq[:, None] * (tl.load(DQK + p_k) - qh * sq[:, None])
-        dkx = rk[:, None] * (tl.load(DQK + p_k + 64 * BK) - kh * sk[:, None])
+        dqx = rq[:, None] * (tl.load(DQK + p_q) - qh * sq[:, None])
+        dkx = rk[:, None] * (tl.load(DQK + p_q + 64 * BK) - kh * sk[:, None])
         tl.store(dq + t_off, dqx.to(dq.dtype.element_ty), mask=m)
         tl.store(dk + t_off, dkx.to(dk.dtype.element_ty), mask=m)
 
@@ -337,15 +359,19 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         _state_bwd_kernel[(BV // cp.BVT, H, N)](
             cp.QG, cp.KGT, cp.W, cp.AQK, cp.DEC, do, dht.contiguous() if dht is not None else dh0, dh0,
             cp.cu, cp.first_slot, DHS, DVN, H=H, K=K, V=V, BK=BK, BV=BV, BVT=cp.BVT, HAS_DHT=dht is not None,
-            num_warps=warps[2], num_stages=STATE_STAGES)
+            num_warps=warps[2], num_stages=STATE_BWD_STAGES)
     dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
     if cp.n_slots > 0 and H > 0:
         DP = torch.empty(S, H, 2, 64, 64, **f32)
-        DBW = torch.empty_like(cp.W)
+        DBW, DGC = torch.empty_like(cp.W), torch.empty_like(cp.W)
         DQK = torch.empty(S, H, 2, 64, BK, **f32)
+        FLAG = torch.empty(S, H, BK // cp.BKB, 4, device=q.device, dtype=torch.int32)
         _chunk_bwd_kernel[(cp.n_slots, H)](
             q, k, v, g, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AINV, cp.AKK, HS, DHS, VN, DVN, cp.DEC,
-            DP, DBW, DQK, dq, dk, dv, dg, dbeta, float(scale),
-            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN, num_warps=warps[3],
-            maxnreg=chunk_bwd_maxnreg)
+            DP, DBW, DQK, DGC, FLAG, dv, dbeta, float(scale),
+            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN,
+            num_warps=warps[3], maxnreg=chunk_bwd_maxnreg)
+        _chunk_bwd_finish_kernel[(cp.n_slots, H)](
+            q, k, g, cp.chunk_map, cp.cu, DP, DQK, DGC, FLAG, dq, dk, dg,
+            H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, num_warps=4)
     return dq, dk, dv, dg, dbeta, dh0
