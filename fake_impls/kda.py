@@ -2,14 +2,14 @@
 
 Residual dtypes follow the precision: BF16 for qn, kn, Aqk, Akk under ``"bf16"``, FP32 under
 ``"fp32"``; rstd and g_cumsum are FP32 in both; o takes v's dtype, the final state FP32. Under
-``"fp32"`` with K, V ≤ 128 the residuals are empty (the FP32 kernels recompute them).
+``"fp32"`` with K, V ≤ 128 the residuals take the FP32 kernels' layout (``fp32_residual_shapes``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.kda import CHUNK, drop_residuals, fp32_kernels_apply
+from inductor_ext.ops.kda import CHUNK, drop_residuals, fp32_kernels_apply, fp32_residual_shapes
 
 __all__ = ["kda_chunk_fake", "kda_chunk_bwd_fake", "kda_recurrent_fake"]
 
@@ -38,7 +38,11 @@ def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision
         q.new_empty(B, T, H, CHUNK, dtype=store),
         q.new_empty(B, T, H, CHUNK, dtype=store),
     )
-    return out if residuals and not fp32_kernels_apply(q, v, precision) else drop_residuals(out)
+    if not residuals:
+        return drop_residuals(out)
+    if fp32_kernels_apply(q, v, precision):
+        return (*out[:2], *(q.new_empty(shape, dtype=torch.float32) for shape in fp32_residual_shapes(q, cu_seqlens)))
+    return out
 
 
 @torch.library.register_fake("glm53::kda_chunk_bwd")

@@ -213,6 +213,21 @@ def test_bwd_fp32_inputs_match_fp64_vjp(case, dots):
 
 
 @needs_interpreter
+def test_bwd_with_the_forwards_a_is_bitwise_the_recomputing_one():
+    """``kda_fp32_fwd(..., keep_a=True)`` hands Aqk, A⁻¹ and the k̂–k̂ products to the backward, whose
+    chunk kernel then skips recomputing them: same bits as the backward that recomputes."""
+    inputs = make_inputs(CASES[0], torch.float32)
+    o, s, aqk, ai = _run(inputs, keep_a=True)
+    o_plain, s_plain = _run(inputs)
+    assert torch.equal(o, o_plain) and torch.equal(s, s_plain)
+    do, dht = _cotangents(inputs)
+    for a, b in zip(_run_bwd(inputs, do, dht, given_a=(aqk, ai)), _run_bwd(inputs, do, dht)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="given"):
+        _run_bwd(inputs, do, dht, given_a=(aqk[:1], ai))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("force_exact", [False, True], ids=["guarded", "exact-everywhere"])
 def test_bwd_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
     """As the forward's test: blocks with e^{±240} spans must take the exact elementwise backward."""

@@ -1,9 +1,10 @@
 """CUDA kernels of ``glm53::kda_chunk`` / ``kda_chunk_bwd`` under precision ``"fp32"`` (K, V ≤ 128):
 the own FP32-grade Triton kernels, :func:`kda_fp32_fwd` and :func:`kda_fp32_bwd`.
 
-They keep nothing between forward and backward: the backward recomputes every intermediate from
-the inputs, so the op's seven residual outputs are empty under this precision (on every device,
-see :func:`inductor_ext.ops.kda.fp32_kernels_apply`).
+Residuals (``inductor_ext.ops.kda.fp32_residual_shapes``): the forward keeps each chunk's Aqk, A⁻¹ and
+k̂–k̂ decay products (chunk-major FP32, in the op's Aqk and Akk slots); the backward recomputes the
+rest from the inputs. Empty residuals (a call made with ``residuals=False`` elsewhere) make the
+backward recompute those too.
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ from inductor_ext.kernels.kda_fp32_triton import kda_fp32_fwd
 __all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
 
 
-def _residuals(q: torch.Tensor) -> tuple:
-    return tuple(q.new_empty(0, dtype=torch.float32) for _ in range(7))
-
-
 def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
-    """(o in v's dtype, FP32 final state, seven empty FP32 residuals)."""
-    o, final = kda_fp32_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    return (o, final, *_residuals(q))
+    """(o in v's dtype, FP32 final state, five empty FP32 residuals, Aqk, (A⁻¹, k̂–k̂ products))."""
+    o, final, *kept = kda_fp32_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, keep_a=residuals)
+    empty = q.new_empty(0, dtype=torch.float32)
+    return (o, final, *([empty] * (7 - len(kept))), *kept)
 
 
 def kda_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
                   qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk, do, dht):
-    """(dq, dk, dv, dg, dbeta, dh0), recomputed from the inputs (the residuals are empty)."""
-    return kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht)
+    """(dq, dk, dv, dg, dbeta, dh0) from the inputs and the forward's Aqk and (A⁻¹, k̂–k̂ products)."""
+    given_a = (Aqk, Akk) if Aqk.numel() else None
+    return kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, given_a=given_a)

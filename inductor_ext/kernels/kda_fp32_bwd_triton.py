@@ -13,7 +13,8 @@ steep gates as the forward), the FP64 chunk cumulative gate (a reverse cumsum) a
 
 Four launches, no host synchronisation:
 
-1. the forward's ``_chunk_kernel`` with ``FOR_BWD``: also stores A⁻¹ and the k̂–k̂ products;
+1. the forward's ``_chunk_kernel``, which also stores A⁻¹ and the k̂–k̂ products, or, given those
+   and Aqk from the forward (``given_a``), only recomputes qg, kgᵀ, w, u;
 2. the forward's ``_state_kernel`` with ``SPLIT``: the state entering every chunk and v_new;
 3. ``_state_bwd_kernel``, one program per (V block, head, document), backwards over chunks with dh
    in registers: stores dv_new and the dh' of every chunk, and dh0;
@@ -47,6 +48,8 @@ __all__ = ["kda_fp32_bwd"]
 # the backward state pass is not software-pipelined: H200, T = 16384, H = 64, K = V = 128, block_v 64:
 # 3.95 ms at 1 stage against 6.06 ms at 2 (its loop carries five dots and 196 KB of staged loads)
 STATE_BWD_STAGES = 1
+# nor are the chunk backward kernel's loops (same geometry: 20.4 ms at 1 stage, 21.1 at 2 and 3)
+CHUNK_BWD_STAGES = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +198,7 @@ def _col_block_bwd_exact(dp, qh, kh, gc, r, J: tl.constexpr, BKB: tl.constexpr):
 
 
 @triton.jit
-def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AINV, AKK, HS, DHS, VN, DVN, DEC,
+def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AI, HS, DHS, VN, DVN, DEC,
                       DP, DBW, DQK, DGC, FLAG, dv, dbeta, scale,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr):
@@ -204,7 +207,7 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AINV, AKK, HS, 
     rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
     b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
     c64 = tl.arange(0, 64)
-    t_inv = tl.trans(tl.load(AINV + slot * 4096 + r[:, None] * 64 + c64[None, :]))  # Tᵀ
+    t_inv = tl.trans(tl.load(AI + slot * 8192 + r[:, None] * 64 + c64[None, :]))  # Tᵀ
     u_base = slot * (64 * BV)
     k_base = slot * (64 * BK)
     h_base = slot * (BK * BV)
@@ -239,7 +242,7 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AINV, AKK, HS, 
         d_a -= _dot3(dbw, tl.trans(tl.load(W + p_k)))
 
     # (c) the decay products' cotangents, masked: scale·dAqk (j ≤ i) and β_i·dA (j < i); dβ from A
-    akk = tl.load(AKK + slot * 4096 + r[:, None] * 64 + c64[None, :])
+    akk = tl.load(AI + slot * 8192 + 4096 + r[:, None] * 64 + c64[None, :])
     d_a = tl.where(r[:, None] > c64[None, :], d_a, 0.0)
     db += tl.sum(d_a * akk, 1)
     dp = DP + slot * 8192
@@ -346,14 +349,16 @@ def _chunk_bwd_finish_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG, dq, dk,
 
 def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=None, *,
                  block_k: int = 32, block_v: int = 32, warps: tuple[int, int, int, int] = (4, 4, 4, 4),
-                 chunk_maxnreg: int | None = 168, chunk_bwd_maxnreg: int | None = None):
+                 chunk_maxnreg: int | None = 168, chunk_bwd_maxnreg: int | None = None, given_a: tuple | None = None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of ``kda_fp32_fwd(q, k, v, g, beta, scale,
     initial_state, cu_seqlens)`` for the cotangents ``do`` (o's shape, any float dtype) and
     ``dht`` (FP32 ``[N,H,K,V]`` or None: zero). Each gradient in its input's dtype, dh0 FP32 (zeros'
     gradient when there is no initial state). Inputs as for ``kda_fp32_fwd``; ``warps`` per kernel
     (chunk, state, state backward, chunk backward), ``chunk_bwd_maxnreg`` the register cap of the
     chunk backward kernel, the other knobs as there. ``block_v`` 32 by default (H200, T = 16384,
-    H = 64, K = V = 128: state pass 1.31 / backward state pass 2.91 ms against 1.51 / 3.96 at 64)."""
+    H = 64, K = V = 128: state pass 1.31 / backward state pass 2.91 ms against 1.51 / 3.96 at 64).
+    ``given_a``: the (Aqk, AI) that ``kda_fp32_fwd(..., keep_a=True)`` returned for these inputs;
+    the chunk kernel then skips the decay products and the inverse."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_maxnreg)
     _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_bwd_maxnreg)
@@ -361,7 +366,7 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         raise ValueError(f"kda_fp32_bwd: do must have o's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
-                    chunk_maxnreg=chunk_maxnreg, for_bwd=True)
+                    chunk_maxnreg=chunk_maxnreg, keep_a=True, given_a=given_a)
     N, H, K, V, BK, BV = cp.N, cp.H, cp.K, cp.V, cp.BK, cp.BV
     if dht is not None and (dht.dtype != torch.float32 or tuple(dht.shape) != (N, H, K, V)):
         raise ValueError(f"kda_fp32_bwd: dht must be float32 [N,H,K,V] = {(N, H, K, V)}, got "
@@ -386,10 +391,10 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         DQK = torch.empty(S, H, 2, 64, BK, **f32)
         FLAG = torch.empty(S, H, BK // cp.BKB, 4, device=q.device, dtype=torch.int32)
         _chunk_bwd_kernel[(cp.n_slots, H)](
-            q, k, v, g, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AINV, cp.AKK, HS, DHS, VN, DVN, cp.DEC,
+            q, k, v, g, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AI, HS, DHS, VN, DVN, cp.DEC,
             DP, DBW, DQK, DGC, FLAG, dv, dbeta, float(scale),
             H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN,
-            num_warps=warps[3], maxnreg=chunk_bwd_maxnreg)
+            num_warps=warps[3], num_stages=CHUNK_BWD_STAGES, maxnreg=chunk_bwd_maxnreg)
         _chunk_bwd_finish_kernel[(cp.n_slots, H)](
             q, k, g, cp.chunk_map, cp.cu, DP, DQK, DGC, FLAG, dq, dk, dg,
             H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, num_warps=4)

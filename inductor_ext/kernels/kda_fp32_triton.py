@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inductor_ext.ops.kda import CHUNK, L2_EPS
+from inductor_ext.ops.kda import CHUNK, L2_EPS, chunk_slots
 
 __all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
 
@@ -137,7 +137,7 @@ def _col_block(qh, kh, gc, r, acc_q, acc_k, J: tl.constexpr, BKB: tl.constexpr, 
 @triton.jit
 def _finish_block(acc_q, acc_k, b, r, aqk_ptr, akk_ptr, scale, J: tl.constexpr, STORE_AKK: tl.constexpr):
     """Mask column block J: store scale·Aqk (j ≤ i) and return the block of A - I (j < i, ·β_i).
-    STORE_AKK (backward): also store the block's k̂–k̂ products without β (j < i), for dβ."""
+    STORE_AKK (for the backward): also store the block's k̂–k̂ products without β (j < i), for dβ."""
     col = 16 * J + tl.arange(0, 16)
     off = r[:, None] * 64 + col[None, :]
     tl.store(aqk_ptr + off, tl.where(r[:, None] >= col[None, :], acc_q * scale, 0.0))
@@ -236,14 +236,9 @@ def _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK: tl
 
 
 @triton.jit
-def _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, AINV, slot, i_h, H: tl.constexpr, V: tl.constexpr,
-           BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, STORE_AINV: tl.constexpr):
-    """w = A⁻¹ (β k̂ e^{gc}) in place of its right-hand side in W, and u = A⁻¹ (β v); A⁻¹ itself
-    too when STORE_AINV (backward)."""
-    ainv = _inverse(l0, l1, l2, l3, r)
-    if STORE_AINV:
-        c64 = tl.arange(0, 64)
-        tl.store(AINV + slot * 4096 + r[:, None] * 64 + c64[None, :], ainv)
+def _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr, V: tl.constexpr,
+           BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr):
+    """w = A⁻¹ (β k̂ e^{gc}) in place of its right-hand side in W, and u = A⁻¹ (β v)."""
     tl.debug_barrier()  # the right-hand side in W was stored by other threads of this program
     for kb in range(BK // BKB):
         c = kb * BKB + tl.arange(0, BKB)
@@ -258,10 +253,13 @@ def _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, AINV, slot, i_h, H: tl.cons
 
 
 @triton.jit
-def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AINV, AKK, scale,
+def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, scale,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr,
-                  FOR_BWD: tl.constexpr):
+                  STORE_A: tl.constexpr, LOAD_A: tl.constexpr):
+    # AI: per slot A⁻¹ then the k̂–k̂ products (no β, j < i), [2, 64, 64]; STORE_A: store them (the
+    # backward reads them); LOAD_A: Aqk and AI hold a previous call's results: skip the decay
+    # products and the inverse, recompute only qg, kgᵀ, w, u and e^{gc_last}
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
     rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
@@ -279,19 +277,28 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AINV
     for kb in range(BK // BKB):
         c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
         _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
-        aq0, ak0 = _col_block(qh, kh, gc, r, aq0, ak0, 0, BKB, SPAN)
-        aq1, ak1 = _col_block(qh, kh, gc, r, aq1, ak1, 1, BKB, SPAN)
-        aq2, ak2 = _col_block(qh, kh, gc, r, aq2, ak2, 2, BKB, SPAN)
-        aq3, ak3 = _col_block(qh, kh, gc, r, aq3, ak3, 3, BKB, SPAN)
+        if not LOAD_A:
+            aq0, ak0 = _col_block(qh, kh, gc, r, aq0, ak0, 0, BKB, SPAN)
+            aq1, ak1 = _col_block(qh, kh, gc, r, aq1, ak1, 1, BKB, SPAN)
+            aq2, ak2 = _col_block(qh, kh, gc, r, aq2, ak2, 2, BKB, SPAN)
+            aq3, ak3 = _col_block(qh, kh, gc, r, aq3, ak3, 3, BKB, SPAN)
 
-    aqk_ptr = AQK + slot * 4096
-    akk_ptr = AKK + slot * 4096
-    l0 = _finish_block(aq0, ak0, b, r, aqk_ptr, akk_ptr, scale, 0, FOR_BWD)
-    l1 = _finish_block(aq1, ak1, b, r, aqk_ptr, akk_ptr, scale, 1, FOR_BWD)
-    l2 = _finish_block(aq2, ak2, b, r, aqk_ptr, akk_ptr, scale, 2, FOR_BWD)
-    l3 = _finish_block(aq3, ak3, b, r, aqk_ptr, akk_ptr, scale, 3, FOR_BWD)
+    c64 = tl.arange(0, 64)
+    p_ai = AI + slot * 8192 + r[:, None] * 64 + c64[None, :]
+    if LOAD_A:
+        ainv = tl.load(p_ai)
+    else:
+        aqk_ptr = AQK + slot * 4096
+        akk_ptr = AI + slot * 8192 + 4096
+        l0 = _finish_block(aq0, ak0, b, r, aqk_ptr, akk_ptr, scale, 0, STORE_A)
+        l1 = _finish_block(aq1, ak1, b, r, aqk_ptr, akk_ptr, scale, 1, STORE_A)
+        l2 = _finish_block(aq2, ak2, b, r, aqk_ptr, akk_ptr, scale, 2, STORE_A)
+        l3 = _finish_block(aq3, ak3, b, r, aqk_ptr, akk_ptr, scale, 3, STORE_A)
+        ainv = _inverse(l0, l1, l2, l3, r)
+        if STORE_A:
+            tl.store(p_ai, ainv)
     # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
-    _solve(l0, l1, l2, l3, r, rows, tok, b, v, W, U, AINV, slot, i_h, H, V, BK, BV, BKB, BVB, FOR_BWD)
+    _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H, V, BK, BV, BKB, BVB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,8 +481,7 @@ class ChunkPass:
     U: torch.Tensor
     AQK: torch.Tensor
     DEC: torch.Tensor
-    AINV: torch.Tensor  # A⁻¹ and the k̂–k̂ products (no β), [slot, H, 64, 64]: only for the backward
-    AKK: torch.Tensor
+    AI: torch.Tensor  # per slot A⁻¹ and the k̂–k̂ products (no β), [slot, H, 2, 64, 64] (empty unless kept)
 
 
 def _check_blocks(name: str, block_k: int, block_v: int, chunk_maxnreg: int | None) -> None:
@@ -487,8 +493,10 @@ def _check_blocks(name: str, block_k: int, block_v: int, chunk_maxnreg: int | No
 
 
 def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: int, warps: int,
-               chunk_maxnreg: int | None, for_bwd: bool) -> ChunkPass:
-    """Launch the chunk kernel on contiguous, checked inputs (see :func:`kda_fp32_fwd`)."""
+               chunk_maxnreg: int | None, keep_a: bool = False, given_a: tuple | None = None) -> ChunkPass:
+    """Launch the chunk kernel on contiguous, checked inputs (see :func:`kda_fp32_fwd`). ``keep_a``:
+    also store A⁻¹ and the k̂–k̂ products (``AI``); ``given_a``: (Aqk, AI) of an earlier call on the
+    same inputs, which the kernel then reads instead of recomputing them."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -501,23 +509,29 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
         N = cu_seqlens.numel() - 1
         cu = cu_seqlens.contiguous()
         n_slots = triton.cdiv(T, CHUNK) + N - 1
-    chunk_map, first_slot = _chunk_list(cu, max(n_slots, 1))
+    S = chunk_slots(q, cu_seqlens)  # = max(n_slots, 1): the scratch's and the residuals' first dim
+    chunk_map, first_slot = _chunk_list(cu, S)
     f32 = dict(device=dev, dtype=torch.float32)
-    S = max(n_slots, 1)
-    S_bwd = S if for_bwd else 0
+    if given_a is not None:
+        aqk, ai = given_a
+        if tuple(aqk.shape) != (S, H, CHUNK, CHUNK) or tuple(ai.shape) != (S, H, 2, CHUNK, CHUNK):
+            raise ValueError(f"kda_fp32: given (Aqk, AI) must be [{S},{H},64,64] and [{S},{H},2,64,64], got "
+                             f"{tuple(aqk.shape)} and {tuple(ai.shape)}")
+    else:
+        aqk = torch.empty(S, H, CHUNK, CHUNK, **f32)
+        ai = torch.empty(S if keep_a else 0, H, 2, CHUNK, CHUNK, **f32)
     cp = ChunkPass(
         N=N, H=H, K=K, V=V, BK=BK, BV=BV, BKB=min(BK, block_k), BVB=min(BV, block_k), BVT=min(BV, block_v),
         n_slots=n_slots, cu=cu, chunk_map=chunk_map, first_slot=first_slot,
         QG=torch.empty(S, H, CHUNK, BK, **f32), KGT=torch.empty(S, H, BK, CHUNK, **f32),
         W=torch.empty(S, H, CHUNK, BK, **f32), U=torch.empty(S, H, CHUNK, BV, **f32),
-        AQK=torch.empty(S, H, CHUNK, CHUNK, **f32), DEC=torch.empty(S, H, BK, **f32),
-        AINV=torch.empty(S_bwd, H, CHUNK, CHUNK, **f32), AKK=torch.empty(S_bwd, H, CHUNK, CHUNK, **f32))
+        AQK=aqk, DEC=torch.empty(S, H, BK, **f32), AI=ai)
     if n_slots > 0 and H > 0:
-        ainv, akk = (cp.AINV, cp.AKK) if for_bwd else (cp.AQK, cp.AQK)  # (not written unless for_bwd)
         _chunk_kernel[(n_slots, H)](
-            q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, ainv, akk, float(scale),
-            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN, FOR_BWD=for_bwd,
-            num_warps=warps, maxnreg=chunk_maxnreg)
+            q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC,
+            ai if ai.numel() else aqk, float(scale),  # (AI is not touched unless kept or given)
+            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN,
+            STORE_A=keep_a and given_a is None, LOAD_A=given_a is not None, num_warps=warps, maxnreg=chunk_maxnreg)
     return cp
 
 
@@ -535,7 +549,7 @@ def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_outp
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
                  block_k: int = 32, block_v: int = 64, warps: tuple[int, int] = (4, 4),
-                 chunk_maxnreg: int | None = 168, split_output: bool = False):
+                 chunk_maxnreg: int | None = 168, split_output: bool = False, keep_a: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16, g ``[B,T,H,K]`` FP32, beta ``[B,T,H]``,
@@ -552,17 +566,20 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     ``split_output``: the state pass only carries the state (two dots per chunk on its sequential
     path instead of four) and stores each chunk's entering state and v_new (FP32, 1.6 GB at
     T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
+    ``keep_a``: also return (Aqk ``[S,H,64,64]``, AI ``[S,H,2,64,64]``: A⁻¹ and the k̂–k̂ products),
+    chunk-major FP32 with S = ``inductor_ext.ops.kda.chunk_slots``, for ``kda_fp32_bwd(..., given_a=...)``.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_blocks("kda_fp32_fwd", block_k, block_v, chunk_maxnreg)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
-                    chunk_maxnreg=chunk_maxnreg, for_bwd=False)
+                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a)
     o = torch.empty_like(v)
     final = torch.empty(cp.N, cp.H, cp.K, cp.V, device=q.device, dtype=torch.float32)
+    kept = (cp.AQK, cp.AI) if keep_a else ()
     if not split_output:
         state_pass(cp, o, initial_state, final, warps=warps[1], split_output=False)
-        return o, final
+        return (o, final, *kept)
     f32 = dict(device=q.device, dtype=torch.float32)
     HS = torch.empty(cp.QG.shape[0], cp.H, cp.BK, cp.BV, **f32)
     VN = torch.empty_like(cp.U)
@@ -571,4 +588,4 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
         _output_kernel[(cp.n_slots, cp.H, cp.BV // cp.BVT)](
             cp.QG, cp.AQK, HS, VN, o, cp.chunk_map, cp.cu, H=cp.H, K=cp.K, V=cp.V, BK=cp.BK, BV=cp.BV,
             BVT=cp.BVT, num_warps=warps[1])
-    return o, final
+    return (o, final, *kept)

@@ -20,9 +20,13 @@ column = position inside its chunk). Chunks of 64 tokens start at every document
 With ``residuals=False`` (forward only: nothing requires a gradient) these seven are empty
 (``[0]``, same dtypes): a forward-only call neither keeps them alive nor pays to define Aqk's
 entries above each chunk's diagonal, which flash-linear-attention leaves unwritten.
-Under ``"fp32"`` with K, V ≤ 128 they are always empty: on CUDA that precision runs the own FP32-grade
-Triton kernels (``inductor_ext.kernels.kda_fp32``), whose backward recomputes everything from the
-inputs; wider heads run flash-linear-attention's kernels on FP32 inputs (TF32 dots, logged once).
+Under ``"fp32"`` with K, V ≤ 128 (:func:`fp32_kernels_apply`) CUDA runs the own FP32-grade Triton
+kernels (``inductor_ext.kernels.kda_fp32``) and the residuals change layout, on every device
+(:func:`fp32_residual_shapes`): qn, kn, q_rstd, k_rstd, g_cumsum are empty (the backward recomputes
+them); Aqk is chunk-major ``[S,H,64,64]`` and Akk ``[S,H,2,64,64]`` holds each chunk's A⁻¹ and its
+k̂–k̂ decay products, FP32, S = :func:`chunk_slots`. The CPU kernel returns zeros there (its
+backward recomputes everything). Wider heads run flash-linear-attention's kernels on FP32 inputs
+(TF32 dots, logged once).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ __all__ = [
     "kda_recurrent_reference",
     "drop_residuals",
     "fp32_kernels_apply",
+    "fp32_residual_shapes",
+    "chunk_slots",
     "validate_kda_inputs",
     "check_kda_values",
 ]
@@ -295,17 +301,36 @@ def drop_residuals(out: tuple) -> tuple:
 
 def fp32_kernels_apply(q: torch.Tensor, v: torch.Tensor, precision: str) -> bool:
     """Whether precision "fp32" runs the own FP32-grade kernels on CUDA (head dims K, V ≤ 128; wider
-    heads take flash-linear-attention's kernels on FP32 inputs, TF32 dots). Those recompute the
-    backward from the inputs, so the op's residuals are empty whenever this holds, on every device."""
+    heads take flash-linear-attention's kernels on FP32 inputs, TF32 dots). Whenever this holds,
+    the op's residuals have the layout of :func:`fp32_residual_shapes`, on every device."""
     return precision == "fp32" and q.shape[-1] <= FP32_KERNEL_MAX_DIM and v.shape[-1] <= FP32_KERNEL_MAX_DIM
+
+
+def chunk_slots(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    """Length S ≥ 1 of the FP32 kernels' fixed chunk list: ``B·ceil(T/64)``, or ``ceil(T/64) + N - 1``
+    when cu_seqlens packs N documents (an upper bound from static shapes: no host synchronisation)."""
+    B, T = q.shape[:2]
+    per_row = -(-T // CHUNK)
+    n = B * per_row if cu_seqlens is None else per_row + cu_seqlens.shape[0] - 2
+    return max(n, 1)
+
+
+def fp32_residual_shapes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[tuple[int, ...]]:
+    """Shapes of the seven residuals when :func:`fp32_kernels_apply`: five empty, then chunk-major Aqk
+    ``[S,H,64,64]`` and (A⁻¹, k̂–k̂ products) ``[S,H,2,64,64]``, all FP32."""
+    S, H = chunk_slots(q, cu_seqlens), q.shape[2]
+    return [(0,)] * 5 + [(S, H, CHUNK, CHUNK), (S, H, 2, CHUNK, CHUNK)]
 
 
 def _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     with torch.no_grad():
         out = tuple(x.contiguous() for x in kda_chunk_reference(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, precision))
-    keep = residuals and not fp32_kernels_apply(q, v, precision)
-    return out if keep else drop_residuals(out)
+    if not residuals:
+        return drop_residuals(out)
+    if fp32_kernels_apply(q, v, precision):  # the CUDA kernels' layout; this backward recomputes
+        return (*out[:2], *(q.new_zeros(shape, dtype=torch.float32) for shape in fp32_residual_shapes(q, cu_seqlens)))
+    return out
 
 
 def _kda_chunk_bwd_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
