@@ -228,6 +228,32 @@ def test_bwd_with_the_forwards_a_is_bitwise_the_recomputing_one():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("residuals", [True, False])
+def test_op_glue_outputs_match_the_fake_and_alias_nothing(residuals):
+    """The CUDA kernel of glm53::kda_chunk / kda_chunk_bwd under "fp32" (run here on CPU tensors):
+    outputs of the fake's shapes and dtypes, no two outputs sharing a tensor or storage (a custom
+    op's outputs must not alias; the H200 caught a shared empty residual), and the backward through
+    the kept residuals equal to the one recomputing them."""
+    from fake_impls.kda import kda_chunk_fake
+    from inductor_ext.kernels import kda_fp32
+
+    inputs = make_inputs(CASES[0], torch.float32)
+    args = (*(inputs[n] for n in ARGS), 0.3, inputs["initial_state"], inputs["cu_seqlens"], "fp32", residuals)
+    out = kda_fp32.kda_chunk_fwd(*args)
+    with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        fake = kda_chunk_fake(*args)
+    assert [(x.shape, x.dtype) for x in out] == [(x.shape, x.dtype) for x in fake]
+    assert len({id(x) for x in out}) == len(out)
+    storages = [x.untyped_storage().data_ptr() for x in out if x.numel()]
+    assert len(set(storages)) == len(storages)
+    do, dht = _cotangents(inputs)
+    grads = kda_fp32.kda_chunk_bwd(*args[:9], *out[2:], do, dht)
+    recomputed = kda_fp32_bwd(*(inputs[n] for n in ARGS), 0.3, inputs["initial_state"], inputs["cu_seqlens"], do, dht)
+    for a, b in zip(grads, recomputed):
+        assert torch.equal(a, b)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("force_exact", [False, True], ids=["guarded", "exact-everywhere"])
 def test_bwd_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
     """As the forward's test: blocks with e^{±240} spans must take the exact elementwise backward."""

@@ -20,8 +20,9 @@ __all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
 def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     """(o in v's dtype, FP32 final state, five empty FP32 residuals, Aqk, (A⁻¹, k̂–k̂ products))."""
     o, final, *kept = kda_fp32_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, keep_a=residuals)
-    empty = q.new_empty(0, dtype=torch.float32)
-    return (o, final, *([empty] * (7 - len(kept))), *kept)
+    # one tensor per output: a custom op's outputs must not alias each other
+    empties = [q.new_empty(0, dtype=torch.float32) for _ in range(7 - len(kept))]
+    return (o, final, *empties, *kept)
 
 
 def kda_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
