@@ -40,6 +40,7 @@ from inductor_ext.kernels.kda_fp32_triton import (
     _k_slice,
     _slot,
     chunk_pass,
+    promote,
     state_pass,
 )
 
@@ -364,7 +365,8 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
     _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_bwd_maxnreg)
     if do.shape != v.shape:
         raise ValueError(f"kda_fp32_bwd: do must have o's shape {tuple(v.shape)}, got {tuple(do.shape)}")
-    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    dtypes = [x.dtype for x in (q, k, v, g, beta)]
+    q, k, v, g, beta, do = promote(q, k, v, g, beta, do)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
                     chunk_maxnreg=chunk_maxnreg, keep_a=True, given_a=given_a)
     N, H, K, V, BK, BV = cp.N, cp.H, cp.K, cp.V, cp.BK, cp.BV
@@ -398,4 +400,4 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         _chunk_bwd_finish_kernel[(cp.n_slots, H)](
             q, k, g, cp.chunk_map, cp.cu, DP, DQK, DGC, FLAG, dq, dk, dg,
             H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, num_warps=4)
-    return dq, dk, dv, dg, dbeta, dh0
+    return (*(x.to(dt) for x, dt in zip((dq, dk, dv, dg, dbeta), dtypes)), dh0)
