@@ -35,9 +35,13 @@ def _doctor() -> dict:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     for name in backends.BACKENDS:
         info[name] = {"usable": backends.available(name), "version": backends.version(name)}
-    fla = torch.cuda.is_available() and backends.available("fla")
-    info["kernels"] = {f"kda_chunk[{p}]": ("flash-linear-attention chunk_kda kernels" + (" (FP32 inputs, TF32 dots)" if p == "fp32" else "")
-                                          if fla else "plain-torch reference") for p in ("bf16", "fp32")}
+    cuda = torch.cuda.is_available()
+    fla = cuda and backends.available("fla")
+    info["kernels"] = {
+        "kda_chunk[bf16]": "flash-linear-attention chunk_kda kernels" if fla else "plain-torch reference",
+        "kda_chunk[fp32]": ("own FP32-grade Triton kernels (head dims <= 128; wider: flash-linear-attention, "
+                            "TF32 dots)" if cuda else "plain-torch reference"),
+    }
     info["kernels"]["kda_recurrent"] = "plain-torch FP32 recurrence"
     return info
 

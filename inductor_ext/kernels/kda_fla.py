@@ -3,8 +3,8 @@ kernels (fla-core 0.6.0), called below its ``torch.compiler.disable``-wrapped pu
 
 Packed documents use fla's fixed-shape chunk list (``use_graph=True``): the number of chunk slots
 is ``ceil(T/64) + N - 1`` from static shapes, so nothing synchronises with the host and the calls
-can be captured in a CUDA graph. Precision "fp32" runs the same kernels on FP32-promoted inputs
-(their dots use TF32).
+can be captured in a CUDA graph. Precision "fp32" runs them (on FP32-promoted inputs, TF32 dots)
+only for head dims above 128; below, ``inductor_ext.kernels.kda_fp32`` serves it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""FP32-accurate KDA chunk forward in Triton: ``kda_fp32_fwd`` (not wired into ``glm53::kda_chunk`` yet).
+"""FP32-accurate KDA chunk forward in Triton: ``kda_fp32_fwd``, the forward of ``glm53::kda_chunk(...,
+precision="fp32")`` on CUDA (through ``inductor_ext.kernels.kda_fp32``; backward: ``kda_fp32_bwd_triton``).
 
 Same semantics as the forward of ``glm53::kda_chunk(..., precision="fp32")`` (``shared/DESIGN.md`` §4,
 ``inductor_ext/ops/kda.py``): q and k are L2-normalised in FP32 (``x / sqrt(Σx² + 1e-6)``), g is the
