@@ -1,27 +1,30 @@
 """FP32-accurate KDA chunk backward in Triton: ``kda_fp32_bwd``, the VJP of ``kda_fp32_fwd``.
 
 Gradients of (o, final state) w.r.t. q, k, v, g, beta and the initial state, recomputed from the
-inputs (nothing is kept from the forward). Per chunk (rows i, j; ``T = A⁻¹``, ``h`` the state
-entering the chunk, ``h'`` the one leaving it, ``dh'`` its gradient)::
+inputs, or from the inputs and the forward's Aqk and A⁻¹ (``given_a``). Per chunk (rows i, j;
+``T = A⁻¹``, ``h`` the state entering the chunk, ``h'`` the one leaving it, ``dh'`` its gradient)::
 
     forward:  v_new = u − w·h,  o = qg·h + Aqk·v_new,  h' = e^{gc_last}·h + kgᵀ·v_new
     backward: dv_new = Aqkᵀ·do + kg·dh',  dh = e^{gc_last}·dh' + qgᵀ·do − wᵀ·dv_new
 
 then, inside the chunk, through ``w = T(β k̂ e^{gc})``, ``u = T(β v)``, ``A = I + β_i·KK`` and the decay
-products ``Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}`` (same 16-column blocks, reference rows and exact path for
-steep gates as the forward), the FP64 chunk cumulative gate (a reverse cumsum) and the L2 norms.
+products ``Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}`` (same 16-column blocks, reference rows and span check as
+the forward), the FP64 chunk cumulative gate (a reverse cumsum) and the L2 norms.
 
-Four launches, no host synchronisation:
+Five launches, no host synchronisation:
 
 1. the forward's ``_chunk_kernel``, which also stores A⁻¹ and the k̂–k̂ products, or, given those
    and Aqk from the forward (``given_a``), only recomputes qg, kgᵀ, w, u;
 2. the forward's ``_state_kernel`` with ``SPLIT``: the state entering every chunk and v_new;
 3. ``_state_bwd_kernel``, one program per (V block, head, document), backwards over chunks with dh
    in registers: stores dv_new and the dh' of every chunk, and dh0;
-4. ``_chunk_bwd_kernel``, one program per (chunk, head): dq, dk, dv, dg, dβ.
+4. ``_chunk_bwd_kernel``, one program per (chunk, head): dv, dβ, and d q̂, d k̂, d gc into scratch,
+   with the decay products' fast path only; a column block whose span check fails is flagged;
+5. ``_chunk_bwd_finish_kernel``, one program per (chunk, head): the exact path for flagged blocks,
+   dg (reverse cumsum), dq and dk (through the L2 norms).
 
 Every dot is ``_dot3`` (three TF32 MMAs on split operands). Scratch at T = 16384, H = 64, K = V = 128:
-about 8 GB of FP32 intermediates.
+about 9 GB of FP32 intermediates. H200 times and the versions tried: ``notes/kda-fp32-kernels.md``.
 """
 
 from __future__ import annotations

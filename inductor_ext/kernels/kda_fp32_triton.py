@@ -45,11 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
-from inductor_ext.ops.kda import CHUNK, L2_EPS, chunk_slots
+from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_slots
 
 __all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
 
-MAX_DIM = 128
+MAX_DIM = FP32_KERNEL_MAX_DIM  # head dims K, V
 # the state pass's loop over chunks keeps the loads of 2 chunks in flight (cp.async into shared memory:
 # 196 KB at K = 128, block_v 64). H200, T = 16384, H = 64, K = V = 128: 2359-2399 us against 2698-2707
 # for the unpipelined loop at block_v 32 (block_v 32 with 2 stages: 3178-3196 us, 155 KB, one program

@@ -56,7 +56,7 @@ CHUNK = 64
 PRECISIONS = ("bf16", "fp32")
 L2_EPS = 1e-6
 MAX_HEAD_DIM = 256
-FP32_KERNEL_MAX_DIM = 128  # the own FP32 Triton kernels' head-dim limit (inductor_ext.kernels.kda_fp32_triton)
+FP32_KERNEL_MAX_DIM = 128  # head-dim limit of the own FP32 Triton kernels (inductor_ext.kernels.kda_fp32_triton)
 _LOG2E = 1.0 / math.log(2.0)
 
 
