@@ -16,7 +16,7 @@ from fla.ops.kda.chunk_fwd import chunk_kda_fwd as _fla_chunk_kda_fwd
 from fla.ops.utils.index import prepare_chunk_indices_static
 
 from inductor_ext.kernels.kda_mask_triton import zero_above_chunk_diagonal
-from inductor_ext.ops.kda import CHUNK, drop_residuals
+from inductor_ext.ops.kda import CHUNK, chunk_count, drop_residuals
 
 __all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
 
@@ -32,11 +32,10 @@ def _norm_input(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return (x if keep else x.to(dt)).contiguous()
 
 
-def _chunk_list(cu_seqlens, T: int):
+def _chunk_list(q, cu_seqlens):
     if cu_seqlens is None:
         return None, None
-    n_docs = cu_seqlens.shape[0] - 1
-    return prepare_chunk_indices_static(cu_seqlens, CHUNK, nt_max=-(-T // CHUNK) + n_docs - 1)
+    return prepare_chunk_indices_static(cu_seqlens, CHUNK, nt_max=chunk_count(q, cu_seqlens))
 
 
 def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
@@ -46,10 +45,9 @@ def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
     out_dtype = v.dtype
     dt = _compute_dtype(precision)
     v, beta = (x.to(dt).contiguous() for x in (v, beta))
-    T = q.shape[1]
     qn, q_rstd = l2norm_fwd(_norm_input(q, dt), output_dtype=dt)
     kn, k_rstd = l2norm_fwd(_norm_input(k, dt), output_dtype=dt)
-    chunk_indices, chunk_offsets = _chunk_list(cu_seqlens, T)
+    chunk_indices, chunk_offsets = _chunk_list(q, cu_seqlens)
     o, final_state, g_cumsum, Aqk, Akk, *_ = _fla_chunk_kda_fwd(
         q=qn, k=kn, v=v, g=g.contiguous(), beta=beta, scale=scale,
         initial_state=None if initial_state is None else initial_state.contiguous(),
@@ -70,7 +68,7 @@ def kda_chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
     residuals) + l2norm backward; gradients in their inputs' dtypes, dh0 FP32."""
     dt = _compute_dtype(precision)
     v_c, beta_c = v.to(dt).contiguous(), beta.to(dt).contiguous()
-    chunk_indices, chunk_offsets = _chunk_list(cu_seqlens, q.shape[1])
+    chunk_indices, chunk_offsets = _chunk_list(q, cu_seqlens)
     dq, dk, dv, dbeta, dg, dh0, _, _ = _fla_chunk_kda_bwd(
         q=qn, k=kn, v=v_c, beta=beta_c, Aqk=Aqk, Akk=Akk, scale=scale,
         initial_state=None if initial_state is None else initial_state.contiguous(),

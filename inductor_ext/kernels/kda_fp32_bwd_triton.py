@@ -36,12 +36,17 @@ import triton.language as tl
 from inductor_ext.ops.kda import L2_EPS
 from inductor_ext.kernels import kda_fp32_triton
 from inductor_ext.kernels.kda_fp32_triton import (
+    _block_rows,
     _check,
     _check_blocks,
+    _doc_tiles,
     _dot3,
+    _exact_column,
     _inv_norms,
     _k_slice,
+    _load_state,
     _slot,
+    _store_state,
     chunk_pass,
     promote,
     state_pass,
@@ -74,25 +79,11 @@ def _state_bwd_kernel(QG, KGT, W, AQK, DEC, do, dht, dh0, cu, first_slot, DHS, D
     # dh [K, BVT] held as one or two [≤64, BVT] tiles (K rows 0-63, 64-127), as the forward state
     KS: tl.constexpr = BK if BK < 64 else 64
     TWO: tl.constexpr = BK > 64
-    i_v = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.program_id(2)
-    bos = tl.load(cu + i_n)
-    length = tl.load(cu + i_n + 1) - bos
-    slot0 = tl.load(first_slot + i_n)
+    bos, length, slot0, ck, cv, off_a, off_b, m_a, m_b = _doc_tiles(
+        cu, first_slot, tl.program_id(0), i_h, tl.program_id(2), H, K, V, KS, BVT)
     r = tl.arange(0, 64)
-    ck = tl.arange(0, KS)
-    cv = i_v * BVT + tl.arange(0, BVT)
-    m_a = (ck < K)[:, None] & (cv < V)[None, :]
-    m_b = (ck + 64 < K)[:, None] & (cv < V)[None, :]
-    off_a = ((i_n * H + i_h) * K + ck[:, None]).to(tl.int64) * V + cv[None, :]
-    off_b = off_a + 64 * V
-    if HAS_DHT:
-        da = tl.load(dht + off_a, mask=m_a, other=0.0)
-        db = tl.load(dht + off_b, mask=m_b, other=0.0)
-    else:
-        da = tl.zeros([KS, BVT], dtype=tl.float32)
-        db = tl.zeros([KS, BVT], dtype=tl.float32)
+    da, db = _load_state(dht, off_a, off_b, m_a, m_b, HAS_DHT, KS, BVT)
     n_chunks = tl.cdiv(length, 64).to(tl.int32)
     for i in range(n_chunks):
         it = n_chunks - 1 - i
@@ -118,24 +109,12 @@ def _state_bwd_kernel(QG, KGT, W, AQK, DEC, do, dht, dh0, cu, first_slot, DHS, D
         if TWO:
             db = db * tl.load(p_d + 64)[:, None] + _dot3(_tile_t(QG + base + 64, r, ck, BK), d_o) \
                 - _dot3(_tile_t(W + base + 64, r, ck, BK), dvn)
-    tl.store(dh0 + off_a, da, mask=m_a)
-    if TWO:
-        tl.store(dh0 + off_b, db, mask=m_b)
+    _store_state(dh0, da, db, off_a, off_b, m_a, m_b, TWO)
 
 
 # ---------------------------------------------------------------------------------------------
 # kernel 4: within-chunk gradients, one program per (chunk slot, head)
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _block_rows(kh, gc, J: tl.constexpr, BKB: tl.constexpr):
-    """Rows 16J..16J+15 of k̂ and of the FP64 cumulative gate (a select over the four row blocks
-    adds three zeros: exact), and the selector."""
-    sel = (tl.arange(0, 4) == J)[:, None, None]
-    kJ = tl.sum(tl.where(sel, tl.reshape(kh, [4, 16, BKB]), 0.0), 0)
-    gJ = tl.sum(tl.where(sel, tl.reshape(gc, [4, 16, BKB]), 0.0), 0)
-    return sel, kJ, gJ
 
 
 @triton.jit
@@ -184,11 +163,7 @@ def _col_block_bwd_exact(dp, qh, kh, gc, r, J: tl.constexpr, BKB: tl.constexpr):
     g_left = tl.zeros([64, BKB], dtype=tl.float32)
     dkJ = tl.zeros([16, BKB], dtype=tl.float32)
     for jj in range(16):
-        pick = (a16 == jj)[:, None]
-        kj = tl.sum(tl.where(pick, kJ, 0.0), 0)
-        gj = tl.sum(tl.where(pick, gJ, 0.0), 0)
-        keep = r[:, None] >= 16 * J + jj
-        dec = tl.where(keep, tl.exp(tl.where(keep, gc - gj[None, :], 0.0).to(tl.float32)), 0.0)
+        kj, dec = _exact_column(kJ, gJ, gc, r, J, jj)
         pq = tl.load(dp + r * 64 + 16 * J + jj)[:, None]  # column j of dP
         pk = tl.load(dp + 4096 + r * 64 + 16 * J + jj)[:, None]
         kd = kj[None, :] * dec
@@ -196,7 +171,7 @@ def _col_block_bwd_exact(dp, qh, kh, gc, r, J: tl.constexpr, BKB: tl.constexpr):
         gk += pk * kd
         t = (pq * qh + pk * kh) * dec  # dP_ij x_ik e^{gc_ik − gc_jk}
         g_left += t * kj[None, :]
-        dkJ = tl.where(pick, tl.sum(t, 0)[None, :], dkJ)
+        dkJ = tl.where((a16 == jj)[:, None], tl.sum(t, 0)[None, :], dkJ)
     dk_right, g_right = _right_rows(sel, kJ, dkJ, BKB)
     return gq, gk + dk_right, g_left + g_right
 
@@ -364,8 +339,8 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
     ``given_a``: the (Aqk, AI) that ``kda_fp32_fwd(..., keep_a=True)`` returned for these inputs;
     the chunk kernel then skips the decay products and the inverse."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_maxnreg)
-    _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_bwd_maxnreg)
+    _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_maxnreg=chunk_maxnreg,
+                  chunk_bwd_maxnreg=chunk_bwd_maxnreg)
     if do.shape != v.shape:
         raise ValueError(f"kda_fp32_bwd: do must have o's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     dtypes = [x.dtype for x in (q, k, v, g, beta)]

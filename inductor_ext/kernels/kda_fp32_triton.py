@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_slots
+from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_count
 
 __all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
 
@@ -91,6 +91,27 @@ def _dot3(a, b):
 
 
 @triton.jit
+def _block_rows(kh, gc, J: tl.constexpr, BKB: tl.constexpr):
+    """Rows 16J..16J+15 of k̂ and of the FP64 cumulative gate (a select over the four row blocks
+    adds three zeros: exact), and the selector."""
+    sel = (tl.arange(0, 4) == J)[:, None, None]
+    kJ = tl.sum(tl.where(sel, tl.reshape(kh, [4, 16, BKB]), 0.0), 0)
+    gJ = tl.sum(tl.where(sel, tl.reshape(gc, [4, 16, BKB]), 0.0), 0)
+    return sel, kJ, gJ
+
+
+@triton.jit
+def _exact_column(kJ, gJ, gc, r, J: tl.constexpr, jj):
+    """Column j = 16J + jj of the exact path: k̂_j ([BKB]) and e^{gc_i − gc_j} for i ≥ j, else 0
+    ([64, BKB]; every exponent ≤ 0 after masking when the gates are decays)."""
+    pick = (tl.arange(0, 16) == jj)[:, None]
+    kj = tl.sum(tl.where(pick, kJ, 0.0), 0)
+    gj = tl.sum(tl.where(pick, gJ, 0.0), 0)
+    keep = r[:, None] >= 16 * J + jj
+    return kj, tl.where(keep, tl.exp(tl.where(keep, gc - gj[None, :], 0.0).to(tl.float32)), 0.0)
+
+
+@triton.jit
 def _col_block_exact(qh, kh, gc, kJ, gJ, r, J: tl.constexpr):
     """Column block J of the q̂–k̂ and k̂–k̂ decay products, one column at a time with the exact
     e^{gc_i - gc_j} (every exponent ≤ 0 after masking): the path for steep gates."""
@@ -98,11 +119,7 @@ def _col_block_exact(qh, kh, gc, kJ, gJ, r, J: tl.constexpr):
     dq = tl.zeros([64, 16], dtype=tl.float32)
     dk = tl.zeros([64, 16], dtype=tl.float32)
     for jj in range(16):
-        pick = (a16 == jj)[:, None]
-        kj = tl.sum(tl.where(pick, kJ, 0.0), 0)
-        gj = tl.sum(tl.where(pick, gJ, 0.0), 0)
-        keep = r[:, None] >= 16 * J + jj
-        dec = tl.where(keep, tl.exp(tl.where(keep, gc - gj[None, :], 0.0).to(tl.float32)), 0.0)
+        kj, dec = _exact_column(kJ, gJ, gc, r, J, jj)
         kd = kj[None, :] * dec
         col = (a16 == jj)[None, :]
         dq = tl.where(col, tl.sum(qh * kd, 1)[:, None], dq)
@@ -114,10 +131,7 @@ def _col_block_exact(qh, kh, gc, kJ, gJ, r, J: tl.constexpr):
 def _col_block(qh, kh, gc, r, acc_q, acc_k, J: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
     """Add one K-slice's contribution to column block J (columns 16J..16J+15) of the unmasked
     q̂–k̂ (acc_q) and k̂–k̂ (acc_k) decay products. qh, kh: [64, BKB] FP32; gc: [64, BKB] FP64."""
-    sel = (tl.arange(0, 4) == J)[:, None, None]
-    # rows 16J..16J+15 (a select over the four row blocks adds three zeros: exact)
-    kJ = tl.sum(tl.where(sel, tl.reshape(kh, [4, 16, BKB]), 0.0), 0)
-    gJ = tl.sum(tl.where(sel, tl.reshape(gc, [4, 16, BKB]), 0.0), 0)
+    _, kJ, gJ = _block_rows(kh, gc, J, BKB)
     ref = tl.sum(tl.where((tl.arange(0, 16) == 8)[:, None], gJ, 0.0), 0)  # gc at row 16J+8
     below = r[:, None] >= 16 * J
     left = tl.where(below, gc - ref[None, :], 0.0).to(tl.float32)
@@ -308,6 +322,42 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, 
 
 
 @triton.jit
+def _doc_tiles(cu, first_slot, i_v, i_h, i_n, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               KS: tl.constexpr, BVT: tl.constexpr):
+    """Document i_n of a state pass (V block i_v, head i_h): its first token, length and first
+    chunk slot; the state's K rows ``ck`` and V columns ``cv``; offsets and masks of its two
+    [KS, BVT] tiles (K rows 0-63 and 64-127) in an ``[N,H,K,V]`` state tensor."""
+    bos = tl.load(cu + i_n)
+    length = tl.load(cu + i_n + 1) - bos
+    slot0 = tl.load(first_slot + i_n)
+    ck = tl.arange(0, KS)
+    cv = i_v * BVT + tl.arange(0, BVT)
+    m_a = (ck < K)[:, None] & (cv < V)[None, :]
+    m_b = (ck + 64 < K)[:, None] & (cv < V)[None, :]
+    off_a = ((i_n * H + i_h) * K + ck[:, None]).to(tl.int64) * V + cv[None, :]
+    return bos, length, slot0, ck, cv, off_a, off_a + 64 * V, m_a, m_b
+
+
+@triton.jit
+def _load_state(ptr, off_a, off_b, m_a, m_b, GIVEN: tl.constexpr, KS: tl.constexpr, BVT: tl.constexpr):
+    """The two tiles of a state (or its cotangent) from ``ptr``, or zeros when not GIVEN."""
+    if GIVEN:
+        a = tl.load(ptr + off_a, mask=m_a, other=0.0)
+        b = tl.load(ptr + off_b, mask=m_b, other=0.0)
+    else:
+        a = tl.zeros([KS, BVT], dtype=tl.float32)
+        b = tl.zeros([KS, BVT], dtype=tl.float32)
+    return a, b
+
+
+@triton.jit
+def _store_state(ptr, a, b, off_a, off_b, m_a, m_b, TWO: tl.constexpr):
+    tl.store(ptr + off_a, a, mask=m_a)
+    if TWO:
+        tl.store(ptr + off_b, b, mask=m_b)
+
+
+@triton.jit
 def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   BVT: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr):
@@ -316,26 +366,12 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
     # K = 128 free of register spills
     KS: tl.constexpr = BK if BK < 64 else 64
     TWO: tl.constexpr = BK > 64
-    i_v = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.program_id(2)
-    bos = tl.load(cu + i_n)
-    length = tl.load(cu + i_n + 1) - bos
-    slot0 = tl.load(first_slot + i_n)
+    bos, length, slot0, ck, cv, off_a, off_b, m_a, m_b = _doc_tiles(
+        cu, first_slot, tl.program_id(0), i_h, tl.program_id(2), H, K, V, KS, BVT)
     r = tl.arange(0, 64)
-    ck = tl.arange(0, KS)
-    cv = i_v * BVT + tl.arange(0, BVT)
     c64 = tl.arange(0, 64)
-    m_a = (ck < K)[:, None] & (cv < V)[None, :]
-    m_b = (ck + 64 < K)[:, None] & (cv < V)[None, :]
-    off_a = ((i_n * H + i_h) * K + ck[:, None]).to(tl.int64) * V + cv[None, :]
-    off_b = off_a + 64 * V
-    if HAS_H0:
-        ha = tl.load(h0 + off_a, mask=m_a, other=0.0)
-        hb = tl.load(h0 + off_b, mask=m_b, other=0.0)
-    else:
-        ha = tl.zeros([KS, BVT], dtype=tl.float32)
-        hb = tl.zeros([KS, BVT], dtype=tl.float32)
+    ha, hb = _load_state(h0, off_a, off_b, m_a, m_b, HAS_H0, KS, BVT)
     n_chunks = tl.cdiv(length, 64).to(tl.int32)
     for it in range(n_chunks):  # software-pipelined: the next chunks' loads in flight (STATE_STAGES)
         slot = (slot0 + it).to(tl.int64) * H + i_h
@@ -359,9 +395,7 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
         ha = ha * tl.load(p_d)[:, None] + _dot3(tl.load(p_k), vn)
         if TWO:
             hb = hb * tl.load(p_d + 64)[:, None] + _dot3(tl.load(p_k + 64 * 64), vn)
-    tl.store(ht + off_a, ha, mask=m_a)
-    if TWO:
-        tl.store(ht + off_b, hb, mask=m_b)
+    _store_state(ht, ha, hb, off_a, off_b, m_a, m_b, TWO)
 
 
 @triton.jit
@@ -493,12 +527,14 @@ def promote(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x.float().contiguous() for x in xs)
 
 
-def _check_blocks(name: str, block_k: int, block_v: int, chunk_maxnreg: int | None) -> None:
+def _check_blocks(name: str, block_k: int, block_v: int, **maxnregs: int | None) -> None:
+    """Block sizes 16, 32 or 64; each named register cap None or 32..255."""
     for arg, blk in (("block_k", block_k), ("block_v", block_v)):
         if blk not in (16, 32, 64):
             raise ValueError(f"{name}: {arg} must be 16, 32 or 64, got {blk}")
-    if chunk_maxnreg is not None and not 32 <= chunk_maxnreg <= 255:
-        raise ValueError(f"{name}: chunk_maxnreg must be None or 32..255 registers, got {chunk_maxnreg}")
+    for arg, cap in maxnregs.items():
+        if cap is not None and not 32 <= cap <= 255:
+            raise ValueError(f"{name}: {arg} must be None or 32..255 registers, got {cap}")
 
 
 def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: int, warps: int,
@@ -513,12 +549,11 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
     if cu_seqlens is None:
         N = B
         cu = torch.arange(B + 1, device=dev, dtype=torch.int64) * T
-        n_slots = B * triton.cdiv(T, CHUNK)
     else:
         N = cu_seqlens.numel() - 1
         cu = cu_seqlens.contiguous()
-        n_slots = triton.cdiv(T, CHUNK) + N - 1
-    S = chunk_slots(q, cu_seqlens)  # = max(n_slots, 1): the scratch's and the residuals' first dim
+    n_slots = chunk_count(q, cu_seqlens)
+    S = max(n_slots, 1)  # = chunk_slots(q, cu_seqlens): the scratch's and the residuals' first dim
     chunk_map, first_slot = _chunk_list(cu, S)
     f32 = dict(device=dev, dtype=torch.float32)
     if given_a is not None:
@@ -580,7 +615,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     chunk-major FP32 with S = ``inductor_ext.ops.kda.chunk_slots``, for ``kda_fp32_bwd(..., given_a=...)``.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    _check_blocks("kda_fp32_fwd", block_k, block_v, chunk_maxnreg)
+    _check_blocks("kda_fp32_fwd", block_k, block_v, chunk_maxnreg=chunk_maxnreg)
     out_dtype = v.dtype
     q, k, v, g, beta = promote(q, k, v, g, beta)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],

@@ -47,6 +47,7 @@ __all__ = [
     "drop_residuals",
     "fp32_kernels_apply",
     "fp32_residual_shapes",
+    "chunk_count",
     "chunk_slots",
     "validate_kda_inputs",
     "check_kda_values",
@@ -306,13 +307,18 @@ def fp32_kernels_apply(q: torch.Tensor, v: torch.Tensor, precision: str) -> bool
     return precision == "fp32" and q.shape[-1] <= FP32_KERNEL_MAX_DIM and v.shape[-1] <= FP32_KERNEL_MAX_DIM
 
 
-def chunk_slots(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
-    """Length S ≥ 1 of the FP32 kernels' fixed chunk list: ``B·ceil(T/64)``, or ``ceil(T/64) + N - 1``
-    when cu_seqlens packs N documents (an upper bound from static shapes: no host synchronisation)."""
+def chunk_count(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    """Length of the fixed chunk list of the CUDA kernels (fla's and the FP32 ones): ``B·ceil(T/64)``,
+    or ``ceil(T/64) + N - 1`` when cu_seqlens packs N documents (an upper bound from static shapes:
+    no host synchronisation). 0 when T = 0."""
     B, T = q.shape[:2]
     per_row = -(-T // CHUNK)
-    n = B * per_row if cu_seqlens is None else per_row + cu_seqlens.shape[0] - 2
-    return max(n, 1)
+    return B * per_row if cu_seqlens is None else per_row + cu_seqlens.shape[0] - 2
+
+
+def chunk_slots(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:
+    """S = max(:func:`chunk_count`, 1): the first dim of the FP32 kernels' scratch and residuals."""
+    return max(chunk_count(q, cu_seqlens), 1)
 
 
 def fp32_residual_shapes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> list[tuple[int, ...]]:
