@@ -195,6 +195,29 @@ def test_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
     _check_fp32(f"{dots} steep gates exact={force_exact}", o, s, *_reference(inputs))
 
 
+def _three_gate_regimes():
+    """Head 0: gentle gates (every K-slice factored over the whole chunk); head 1: -2 per token (a
+    whole-chunk factor would reach e^64, so the slices go by 16-column blocks, whose factors stay
+    within e^16); head 2: -30 per token in a quarter of the keys (exact path in those blocks)."""
+    inputs = make_inputs(Case("regimes", (100,), heads=3, k_dim=32, v_dim=32, initial_state=True), torch.float32)
+    inputs["g"][:, :, 0] *= 0.1
+    inputs["g"][:, :, 1] = -2.0
+    inputs["g"][:, :, 2, ::4] = -30.0
+    return inputs
+
+
+@needs_interpreter
+def test_every_decay_path_matches_fp64(dots):
+    inputs = _three_gate_regimes()
+    o, s = _run(inputs)
+    _check_fp32(f"{dots} three gate regimes", o, s, *_reference(inputs))
+
+
+@needs_interpreter
+def test_bwd_every_decay_path_matches_fp64_vjp(dots):
+    _check_grads(f"{dots} bwd three gate regimes", _three_gate_regimes(), GRAD_TOL_INTERPRETER)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES[:2], ids=ids[:2])
 def test_bf16_inputs_against_rounded_fp64(case, dots, rne_bf16):

@@ -38,6 +38,7 @@ from inductor_ext.kernels import kda_fp32_triton
 from inductor_ext.kernels.kda_fp32_triton import (
     _block_rows,
     _check,
+    _chunk_exponents,
     _check_blocks,
     _doc_tiles,
     _dot3,
@@ -125,14 +126,35 @@ def _right_rows(sel, kJ, dkJ, BKB: tl.constexpr):
 
 
 @triton.jit
+def _decay_products_bwd(dp, qh, kh, gc, r, SPAN: tl.constexpr):
+    """One K-slice's gradients through the decay products ``P_ij = Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}``,
+    whole chunk at once with the forward's factors at row 32: x = q̂ with cotangent dP_q at ``dp``,
+    x = k̂ with dP_k at ``dp + 4096`` ([64,64] row-major each, masked). Returns d q̂, d k̂, d gc
+    ([64, BKB] FP32) and ok = no exponent exceeds SPAN; if not, the slice contributes nothing here
+    and ``_chunk_bwd_finish_kernel`` takes it by 16-column blocks (a branch here would cost every
+    slice: 8 ms of this kernel's 30 at T = 16384 on the H200)."""
+    x = _chunk_exponents(gc, r)
+    ok = tl.max(tl.abs(x)) <= SPAN
+    el = tl.exp(tl.where(ok, x, -float("inf")))  # both zero unless ok
+    er = tl.exp(tl.where(ok, -x, -float("inf")))
+    kr = kh * er
+    c64 = tl.arange(0, 64)
+    off = r[:, None] * 64 + c64[None, :]
+    off_t = c64[:, None] + r[None, :] * 64  # the transpose, read from memory
+    gq = el * _dot3(tl.load(dp + off), kr)
+    gk = el * _dot3(tl.load(dp + 4096 + off), kr)
+    dk_right = er * (_dot3(tl.load(dp + off_t), qh * el) + _dot3(tl.load(dp + 4096 + off_t), kh * el))
+    return gq, gk + dk_right, qh * gq + kh * gk - kh * dk_right, ok
+
+
+@triton.jit
 def _col_block_bwd(dp, qh, kh, gc, r, J: tl.constexpr, BKB: tl.constexpr, SPAN: tl.constexpr):
     """One K-slice's gradients through column block J (columns 16J..16J+15) of the decay products
     ``P_ij = Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}``: x = q̂ with cotangent dP_q at ``dp``, x = k̂ with dP_k
     at ``dp + 4096`` ([64,64] row-major each, masked). Factors as in the forward's ``_col_block``
     (reference row 16J+8, each factor ≤ e^{SPAN}). Returns d q̂, d k̂, d gc ([64, BKB] FP32) and
-    ok = the span check passed; if not, the block contributes nothing here and
-    ``_chunk_bwd_finish_kernel`` takes the exact path for it (a branch here would cost every
-    block: 8 ms of the kernel's 30 at T = 16384 on the H200)."""
+    ok = the span check passed; if not, the block contributes nothing (the caller takes the exact
+    path for it)."""
     a16 = tl.arange(0, 16)
     sel, kJ, gJ = _block_rows(kh, gc, J, BKB)
     ref = tl.sum(tl.where((a16 == 8)[:, None], gJ, 0.0), 0)  # gc at row 16J+8
@@ -255,12 +277,11 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AI, HS, DHS, VN
         dkh = el * dkg + b[:, None] * eg * dbw
         dgc = scale * qh * eg * dqg - kg * dkg + b[:, None] * kh * eg * dbw
         db += tl.sum(kh * eg * dbw, 1)
-        for J in tl.static_range(4):
-            gq, gk, gg, ok = _col_block_bwd(dp, qh, kh, gc, r, J, BKB, SPAN)
-            dqh += gq
-            dkh += gk
-            dgc += gg
-            tl.store(FLAG + (slot * (BK // BKB) + kb) * 4 + J, tl.where(ok, 0, 1))
+        gq, gk, gg, ok = _decay_products_bwd(dp, qh, kh, gc, r, SPAN)
+        dqh += gq
+        dkh += gk
+        dgc += gg
+        tl.store(FLAG + slot * (BK // BKB) + kb, tl.where(ok, 0, 1))
         # d gc_last reaches every row ≤ n-1 through the reverse cumsum: add it at row n-1
         dgl = ddec * tl.exp(gl.to(tl.float32)) + tl.sum(kg * dkg, 0)
         dgc = tl.where(rows[:, None], dgc, 0.0) + tl.where((r == n - 1)[:, None], dgl[None, :], 0.0)
@@ -273,8 +294,9 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AI, HS, DHS, VN
 @triton.jit
 def _chunk_bwd_finish_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG, dq, dk, dg,
                              H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
-                             EPS: tl.constexpr):
-    # one program per (chunk slot, head): the exact path for the flagged blocks, dg = reverse cumsum
+                             EPS: tl.constexpr, SPAN: tl.constexpr):
+    # one program per (chunk slot, head): the decay products' backward by 16-column blocks (each
+    # factored at its middle row, or exact) for the K-slices flagged, dg = reverse cumsum
     # of d gc, and dq, dk through the L2 norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
@@ -290,15 +312,14 @@ def _chunk_bwd_finish_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG, dq, dk,
         dqh = tl.load(DQK + p_q)
         dkh = tl.load(DQK + p_q + 64 * BK)
         dgc = tl.load(DGC + p_k)
-        p_f = FLAG + (slot * (BK // BKB) + kb) * 4
-        fixed = tl.load(p_f) + tl.load(p_f + 1) + tl.load(p_f + 2) + tl.load(p_f + 3)
-        if fixed != 0:
+        if tl.load(FLAG + slot * (BK // BKB) + kb) != 0:
             for J in tl.static_range(4):
-                if tl.load(p_f + J) != 0:
+                gq, gk, gg, ok = _col_block_bwd(dp, qh, kh, gc, r, J, BKB, SPAN)
+                if not ok:
                     gq, gk, gg = _col_block_bwd_exact(dp, qh, kh, gc, r, J, BKB)
-                    dqh += gq
-                    dkh += gk
-                    dgc += tl.where(rows[:, None], gg, 0.0)
+                dqh += gq
+                dkh += gk
+                dgc += tl.where(rows[:, None], gg, 0.0)
             tl.debug_barrier()
             tl.store(DQK + p_q, dqh)
             tl.store(DQK + p_q + 64 * BK, dkh)
@@ -369,7 +390,7 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         DP = torch.empty(S, H, 2, 64, 64, **f32)
         DBW, DGC = torch.empty_like(cp.W), torch.empty_like(cp.W)
         DQK = torch.empty(S, H, 2, 64, BK, **f32)
-        FLAG = torch.empty(S, H, BK // cp.BKB, 4, device=q.device, dtype=torch.int32)
+        FLAG = torch.empty(S, H, BK // cp.BKB, device=q.device, dtype=torch.int32)
         _chunk_bwd_kernel[(cp.n_slots, H)](
             q, k, v, g, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AI, HS, DHS, VN, DVN, cp.DEC,
             DP, DBW, DQK, DGC, FLAG, dv, dbeta, float(scale),
@@ -377,5 +398,5 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
             num_warps=warps[3], num_stages=CHUNK_BWD_STAGES, maxnreg=chunk_bwd_maxnreg)
         _chunk_bwd_finish_kernel[(cp.n_slots, H)](
             q, k, g, cp.chunk_map, cp.cu, DP, DQK, DGC, FLAG, dq, dk, dg,
-            H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, num_warps=4)
+            H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN, num_warps=4)
     return (*(x.to(dt) for x, dt in zip((dq, dk, dv, dg, dbeta), dtypes)), dh0)

@@ -150,16 +150,40 @@ def _col_block(qh, kh, gc, r, acc_q, acc_k, J: tl.constexpr, BKB: tl.constexpr, 
 
 
 @triton.jit
-def _finish_block(acc_q, acc_k, b, r, aqk_ptr, akk_ptr, scale, J: tl.constexpr, STORE_AKK: tl.constexpr):
-    """Mask column block J: store scale·Aqk (j ≤ i) and return the block of A - I (j < i, ·β_i).
-    STORE_AKK (for the backward): also store the block's k̂–k̂ products without β (j < i), for dβ."""
-    col = 16 * J + tl.arange(0, 16)
-    off = r[:, None] * 64 + col[None, :]
-    tl.store(aqk_ptr + off, tl.where(r[:, None] >= col[None, :], acc_q * scale, 0.0))
-    akk = tl.where(r[:, None] > col[None, :], acc_k, 0.0)
-    if STORE_AKK:
-        tl.store(akk_ptr + off, akk)
-    return akk * b[:, None]
+def _join4(x0, x1, x2, x3):
+    """Four [64, 16] column blocks side by side: [64, 64]."""
+    x = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [64, 16, 2, 2]: x[i, c, a, b] = x_{2b+a}[i, c]
+    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), [64, 64])
+
+
+@triton.jit
+def _chunk_exponents(gc, r):
+    """gc_i − gc_32 for every row, a difference of two FP64 rows rounded once to FP32: the exponents
+    of the whole-chunk factors e^{gc_i − gc_32} (rows i) and e^{gc_32 − gc_j} (rows j, the negation)."""
+    ref = tl.sum(tl.where((r == 32)[:, None], gc, 0.0), 0)
+    return (gc - ref[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.constexpr):
+    """Add one K-slice's unmasked q̂–k̂ (acc_q) and k̂–k̂ (acc_k) decay products, [64, 64] each.
+    Whole chunk at once, factored at row 32, when no exponent exceeds SPAN; otherwise by the four
+    16-column blocks of :func:`_col_block` (each factored at its own middle row, or exact)."""
+    x = _chunk_exponents(gc, r)
+    if tl.max(tl.abs(x)) <= SPAN:
+        rt = tl.trans(kh * tl.exp(-x))  # [BKB, 64]
+        el = tl.exp(x)
+        acc_q += _dot3(qh * el, rt)
+        acc_k += _dot3(kh * el, rt)
+    else:
+        z = tl.zeros([64, 16], dtype=tl.float32)
+        q0, k0 = _col_block(qh, kh, gc, r, z, z, 0, BKB, SPAN)
+        q1, k1 = _col_block(qh, kh, gc, r, z, z, 1, BKB, SPAN)
+        q2, k2 = _col_block(qh, kh, gc, r, z, z, 2, BKB, SPAN)
+        q3, k3 = _col_block(qh, kh, gc, r, z, z, 3, BKB, SPAN)
+        acc_q += _join4(q0, q1, q2, q3)
+        acc_k += _join4(k0, k1, k2, k3)
+    return acc_q, acc_k
 
 
 @triton.jit
@@ -175,12 +199,12 @@ def _elim_step(Z, M, lJ, r, J: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
-def _inverse(l0, l1, l2, l3, r):
-    """(I + L)⁻¹ for the strictly lower L given as four [64,16] column blocks."""
-    blk = (r // 16)[:, None]
-    lst = tl.where(blk == 0, l0, 0.0) + tl.where(blk == 1, l1, 0.0)
-    lst = lst + tl.where(blk == 2, l2, 0.0) + tl.where(blk == 3, l3, 0.0)
-    Ld = tl.reshape(lst, [4, 16, 16])  # the four diagonal 16×16 blocks of L
+def _inverse(L, r):
+    """(I + L)⁻¹ for the strictly lower L [64, 64]."""
+    ib = tl.arange(0, 4)
+    L4 = tl.reshape(L, [4, 16, 4, 16])
+    # the four diagonal 16×16 blocks of L (a select over the column blocks adds three zeros: exact)
+    Ld = tl.sum(tl.where(ib[:, None, None, None] == ib[None, None, :, None], L4, 0.0), 2)
     ra = tl.arange(0, 16)[None, :, None]
     cb = tl.arange(0, 16)[None, None, :]
     Z = tl.where(ra == cb, 1.0, 0.0) + tl.zeros([4, 16, 16], dtype=tl.float32)
@@ -189,14 +213,21 @@ def _inverse(l0, l1, l2, l3, r):
         Z = tl.where(ra == s, Z - tl.sum(lrow[:, :, None] * Z, 1)[:, None, :], Z)
     c64 = tl.arange(0, 64)
     M = tl.where(r[:, None] == c64[None, :], 1.0, 0.0)
-    P0, M = _elim_step(Z, M, l0, r, 0, False)
-    P1, M = _elim_step(Z, M, l1, r, 1, False)
-    P2, M = _elim_step(Z, M, l2, r, 2, False)
-    P3, M = _elim_step(Z, M, l3, r, 3, True)
+    Lc = tl.reshape(L, [64, 4, 16])
+    P0, M = _elim_step(Z, M, _col16(Lc, 0), r, 0, False)
+    P1, M = _elim_step(Z, M, _col16(Lc, 1), r, 1, False)
+    P2, M = _elim_step(Z, M, _col16(Lc, 2), r, 2, False)
+    P3, M = _elim_step(Z, M, _col16(Lc, 3), r, 3, True)
     rb = tl.arange(0, 4)[:, None, None]
     A = tl.where(rb == 0, P0[None, :, :], 0.0) + tl.where(rb == 1, P1[None, :, :], 0.0)
     A = A + tl.where(rb == 2, P2[None, :, :], 0.0) + tl.where(rb == 3, P3[None, :, :], 0.0)
     return tl.reshape(A, [64, 64])
+
+
+@triton.jit
+def _col16(Lc, J: tl.constexpr):
+    """Columns 16J..16J+15 of L, given as [64, 4, 16] (an exact select)."""
+    return tl.sum(tl.where((tl.arange(0, 4) == J)[None, :, None], Lc, 0.0), 1)
 
 
 @triton.jit
@@ -280,36 +311,28 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, 
     rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
     b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
 
-    # pass 1 over K-slices: gate cumsum, qg / kgᵀ / βk̂e^{gc} / e^{gc_last}, blocked Aqk and A
-    aq0 = tl.zeros([64, 16], dtype=tl.float32)
-    aq1 = tl.zeros([64, 16], dtype=tl.float32)
-    aq2 = tl.zeros([64, 16], dtype=tl.float32)
-    aq3 = tl.zeros([64, 16], dtype=tl.float32)
-    ak0 = tl.zeros([64, 16], dtype=tl.float32)
-    ak1 = tl.zeros([64, 16], dtype=tl.float32)
-    ak2 = tl.zeros([64, 16], dtype=tl.float32)
-    ak3 = tl.zeros([64, 16], dtype=tl.float32)
+    # pass 1 over K-slices: gate cumsum, qg / kgᵀ / βk̂e^{gc} / e^{gc_last}, the decay products
+    acc_q = tl.zeros([64, 64], dtype=tl.float32)
+    acc_k = tl.zeros([64, 64], dtype=tl.float32)
     for kb in range(BK // BKB):
         c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
         _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
         if not LOAD_A:
-            aq0, ak0 = _col_block(qh, kh, gc, r, aq0, ak0, 0, BKB, SPAN)
-            aq1, ak1 = _col_block(qh, kh, gc, r, aq1, ak1, 1, BKB, SPAN)
-            aq2, ak2 = _col_block(qh, kh, gc, r, aq2, ak2, 2, BKB, SPAN)
-            aq3, ak3 = _col_block(qh, kh, gc, r, aq3, ak3, 3, BKB, SPAN)
+            acc_q, acc_k = _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB, SPAN)
 
     c64 = tl.arange(0, 64)
     p_ai = AI + slot * 8192 + r[:, None] * 64 + c64[None, :]
     if LOAD_A:
         ainv = tl.load(p_ai)
     else:
-        aqk_ptr = AQK + slot * 4096
-        akk_ptr = AI + slot * 8192 + 4096
-        l0 = _finish_block(aq0, ak0, b, r, aqk_ptr, akk_ptr, scale, 0, STORE_A)
-        l1 = _finish_block(aq1, ak1, b, r, aqk_ptr, akk_ptr, scale, 1, STORE_A)
-        l2 = _finish_block(aq2, ak2, b, r, aqk_ptr, akk_ptr, scale, 2, STORE_A)
-        l3 = _finish_block(aq3, ak3, b, r, aqk_ptr, akk_ptr, scale, 3, STORE_A)
-        ainv = _inverse(l0, l1, l2, l3, r)
+        # masked: scale·Aqk (j ≤ i), and A − I = β_i·(k̂–k̂ products) (j < i), whose products the
+        # backward reads for dβ (STORE_A)
+        tl.store(AQK + slot * 4096 + r[:, None] * 64 + c64[None, :],
+                 tl.where(r[:, None] >= c64[None, :], acc_q * scale, 0.0))
+        akk = tl.where(r[:, None] > c64[None, :], acc_k, 0.0)
+        if STORE_A:
+            tl.store(p_ai + 4096, akk)
+        ainv = _inverse(akk * b[:, None], r)
         if STORE_A:
             tl.store(p_ai, ainv)
     # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
