@@ -131,7 +131,7 @@ def _decay_products_bwd(dp, qh, kh, gc, r, SPAN: tl.constexpr):
     whole chunk at once with the forward's factors at row 32: x = q̂ with cotangent dP_q at ``dp``,
     x = k̂ with dP_k at ``dp + 4096`` ([64,64] row-major each, masked). Returns d q̂, d k̂, d gc
     ([64, BKB] FP32) and ok = no exponent exceeds SPAN; if not, the slice contributes nothing here
-    and ``_chunk_bwd_finish_kernel`` takes it by 16-column blocks (a branch here would cost every
+    and ``_chunk_bwd_blocks_kernel`` takes it by 16-column blocks (a branch here would cost every
     slice: 8 ms of this kernel's 30 at T = 16384 on the H200)."""
     x = _chunk_exponents(gc, r)
     ok = tl.max(tl.abs(x)) <= SPAN
@@ -292,39 +292,57 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AI, HS, DHS, VN
 
 
 @triton.jit
-def _chunk_bwd_finish_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG, dq, dk, dg,
+def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG,
                              H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
                              EPS: tl.constexpr, SPAN: tl.constexpr):
-    # one program per (chunk slot, head): the decay products' backward by 16-column blocks (each
-    # factored at its middle row, or exact) for the K-slices flagged, dg = reverse cumsum
-    # of d gc, and dq, dk through the L2 norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖
+    # one program per (chunk slot, head, K-slice); only the slices flagged by _chunk_bwd_kernel (their
+    # whole-chunk factors failed the span check) do work: the decay products' backward by 16-column
+    # blocks (each factored at its middle row, or exact), added into d q̂, d k̂ and d gc
+    i_s, i_h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if tl.load(FLAG + (i_s.to(tl.int64) * H + i_h) * (BK // BKB) + kb) != 0:
+        r, rows, n, tok, slot = _slot(chunk_map, cu, i_s, i_h, H)
+        rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
+        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+        dp = DP + slot * 8192
+        dqh = tl.zeros([64, BKB], dtype=tl.float32)
+        dkh = tl.zeros([64, BKB], dtype=tl.float32)
+        dgc = tl.zeros([64, BKB], dtype=tl.float32)
+        for J in tl.static_range(4):
+            gq, gk, gg, ok = _col_block_bwd(dp, qh, kh, gc, r, J, BKB, SPAN)
+            if not ok:
+                gq, gk, gg = _col_block_bwd_exact(dp, qh, kh, gc, r, J, BKB)
+            dqh += gq
+            dkh += gk
+            dgc += gg
+        p_k = slot * (64 * BK) + r[:, None] * BK + c[None, :]
+        p_q = 2 * slot * (64 * BK) + r[:, None] * BK + c[None, :]
+        tl.store(DQK + p_q, tl.load(DQK + p_q) + dqh)
+        tl.store(DQK + p_q + 64 * BK, tl.load(DQK + p_q + 64 * BK) + dkh)
+        tl.store(DGC + p_k, tl.load(DGC + p_k) + tl.where(rows[:, None], dgc, 0.0))
+
+
+@triton.jit
+def _chunk_bwd_finish_kernel(q, k, chunk_map, cu, DQK, DGC, dq, dk, dg,
+                             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
+                             EPS: tl.constexpr):
+    # one program per (chunk slot, head): dg = reverse cumsum of d gc, and dq, dk through the L2
+    # norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
     rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
     k_base = slot * (64 * BK)
-    dp = DP + slot * 8192
     sq = tl.zeros([64], dtype=tl.float32)
     sk = tl.zeros([64], dtype=tl.float32)
     for kb in range(BK // BKB):
-        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
-        p_k = k_base + r[:, None] * BK + c[None, :]
+        c = kb * BKB + tl.arange(0, BKB)
+        m = rows[:, None] & (c < K)[None, :]
+        t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
+        qh = tl.load(q + t_off, mask=m, other=0.0) * rq[:, None]
+        kh = tl.load(k + t_off, mask=m, other=0.0) * rk[:, None]
         p_q = 2 * k_base + r[:, None] * BK + c[None, :]
         dqh = tl.load(DQK + p_q)
         dkh = tl.load(DQK + p_q + 64 * BK)
-        dgc = tl.load(DGC + p_k)
-        if tl.load(FLAG + slot * (BK // BKB) + kb) != 0:
-            for J in tl.static_range(4):
-                gq, gk, gg, ok = _col_block_bwd(dp, qh, kh, gc, r, J, BKB, SPAN)
-                if not ok:
-                    gq, gk, gg = _col_block_bwd_exact(dp, qh, kh, gc, r, J, BKB)
-                dqh += gq
-                dkh += gk
-                dgc += tl.where(rows[:, None], gg, 0.0)
-            tl.debug_barrier()
-            tl.store(DQK + p_q, dqh)
-            tl.store(DQK + p_q + 64 * BK, dkh)
-        m = rows[:, None] & (c < K)[None, :]
-        t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
+        dgc = tl.load(DGC + k_base + r[:, None] * BK + c[None, :])
         tl.store(dg + t_off, tl.cumsum(dgc, 0, reverse=True).to(dg.dtype.element_ty), mask=m)
         sq += tl.sum(qh * dqh, 1)
         sk += tl.sum(kh * dkh, 1)
@@ -334,8 +352,8 @@ def _chunk_bwd_finish_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG, dq, dk,
         m = rows[:, None] & (c < K)[None, :]
         t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
         p_q = 2 * k_base + r[:, None] * BK + c[None, :]
-        qh = tl.load(q + t_off, mask=m, other=0.0).to(tl.float32) * rq[:, None]
-        kh = tl.load(k + t_off, mask=m, other=0.0).to(tl.float32) * rk[:, None]
+        qh = tl.load(q + t_off, mask=m, other=0.0) * rq[:, None]
+        kh = tl.load(k + t_off, mask=m, other=0.0) * rk[:, None]
         dqx = rq[:, None] * (tl.load(DQK + p_q) - qh * sq[:, None])
         dkx = rk[:, None] * (tl.load(DQK + p_q + 64 * BK) - kh * sk[:, None])
         tl.store(dq + t_off, dqx.to(dq.dtype.element_ty), mask=m)
@@ -396,7 +414,10 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
             DP, DBW, DQK, DGC, FLAG, dv, dbeta, float(scale),
             H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN,
             num_warps=warps[3], num_stages=CHUNK_BWD_STAGES, maxnreg=chunk_bwd_maxnreg)
-        _chunk_bwd_finish_kernel[(cp.n_slots, H)](
-            q, k, g, cp.chunk_map, cp.cu, DP, DQK, DGC, FLAG, dq, dk, dg,
+        _chunk_bwd_blocks_kernel[(cp.n_slots, H, BK // cp.BKB)](
+            q, k, g, cp.chunk_map, cp.cu, DP, DQK, DGC, FLAG,
             H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN, num_warps=4)
+        _chunk_bwd_finish_kernel[(cp.n_slots, H)](
+            q, k, cp.chunk_map, cp.cu, DQK, DGC, dq, dk, dg, H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS,
+            num_warps=4)
     return (*(x.to(dt) for x, dt in zip((dq, dk, dv, dg, dbeta), dtypes)), dh0)
