@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from inductor_ext.ops.kda import L2_EPS
 from inductor_ext.kernels import kda_fp32_triton
 from inductor_ext.kernels.kda_fp32_triton import (
     _block_rows,
@@ -43,7 +42,6 @@ from inductor_ext.kernels.kda_fp32_triton import (
     _doc_tiles,
     _dot3,
     _exact_column,
-    _inv_norms,
     _k_slice,
     _load_state,
     _slot,
@@ -199,13 +197,19 @@ def _col_block_bwd_exact(dp, qh, kh, gc, r, J: tl.constexpr, BKB: tl.constexpr):
 
 
 @triton.jit
-def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AI, HS, DHS, VN, DVN, DEC,
-                      DP, DBW, DQK, DGC, FLAG, dv, dbeta, scale,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr):
+def _load_norms(NRM, slot, r):
+    """1/‖q‖ and 1/‖k‖ of the chunk's rows, as the chunk kernel stored them."""
+    return tl.load(NRM + slot * 128 + r), tl.load(NRM + slot * 128 + 64 + r)
+
+
+@triton.jit
+def _chunk_bwd_wy_kernel(v, beta, do, chunk_map, cu, W, U, AI, HS, VN, DVN, DP, DBW, DB0, dv, scale,
+                         H: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         BKB: tl.constexpr, BVB: tl.constexpr):
+    # one program per (chunk slot, head): the WY backward: dv, the cotangents of the decay products
+    # (DP), of β k̂ e^{gc} (DBW) and dβ's share from u and A (DB0)
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
-    rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
     b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
     c64 = tl.arange(0, 64)
     t_inv = tl.trans(tl.load(AI + slot * 8192 + r[:, None] * 64 + c64[None, :]))  # Tᵀ
@@ -229,7 +233,7 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AI, HS, DHS, VN
         d_a -= _dot3(dbu, tl.trans(tl.load(U + p_u)))
         d_aqk += _dot3(tl.load(do + t_off, mask=m, other=0.0).to(tl.float32), tl.trans(tl.load(VN + p_u)))
 
-    # (b) over K: dw = −dv_new·hᵀ, d(βk̂e^{gc}) = Tᵀdw (kept in DBW for (d)), dA −= Tᵀdw·wᵀ
+    # (b) over K: dw = −dv_new·hᵀ, d(βk̂e^{gc}) = Tᵀdw (kept in DBW), dA −= Tᵀdw·wᵀ
     for kb in range(BK // BKB):
         c = kb * BKB + tl.arange(0, BKB)
         dw = tl.zeros([64, BKB], dtype=tl.float32)
@@ -245,63 +249,73 @@ def _chunk_bwd_kernel(q, k, v, g, beta, do, chunk_map, cu, W, U, AI, HS, DHS, VN
     # (c) the decay products' cotangents, masked: scale·dAqk (j ≤ i) and β_i·dA (j < i); dβ from A
     akk = tl.load(AI + slot * 8192 + 4096 + r[:, None] * 64 + c64[None, :])
     d_a = tl.where(r[:, None] > c64[None, :], d_a, 0.0)
-    db += tl.sum(d_a * akk, 1)
     dp = DP + slot * 8192
     tl.store(dp + r[:, None] * 64 + c64[None, :], tl.where(r[:, None] >= c64[None, :], d_aqk * scale, 0.0))
     tl.store(dp + 4096 + r[:, None] * 64 + c64[None, :], d_a * b[:, None])
-    tl.debug_barrier()  # DP is read back below in other threads' layout
-
-    # (d) over K: d q̂, d k̂ and d gc (for _chunk_bwd_finish_kernel) from qg, kg, βk̂e^{gc}, e^{gc_last}
-    # and the decay products; dβ
-    for kb in range(BK // BKB):
-        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
-        eg = tl.exp(gc.to(tl.float32))
-        el = tl.exp((gl[None, :] - gc).to(tl.float32))
-        kg = kh * el
-        dqg = tl.zeros([64, BKB], dtype=tl.float32)
-        dkg = tl.zeros([64, BKB], dtype=tl.float32)
-        ddec = tl.zeros([BKB], dtype=tl.float32)
-        for vb in range(BV // BVB):
-            cv = vb * BVB + tl.arange(0, BVB)
-            m = rows[:, None] & (cv < V)[None, :]
-            p_h = h_base + c[:, None] * BV + cv[None, :]
-            hx = tl.load(HS + p_h)
-            dhx = tl.load(DHS + p_h)
-            d_o = tl.load(do + tok[:, None] * (H * V) + i_h * V + cv[None, :], mask=m, other=0.0).to(tl.float32)
-            dqg += _dot3(d_o, tl.trans(hx))
-            dkg += _dot3(tl.load(VN + u_base + r[:, None] * BV + cv[None, :]), tl.trans(dhx))
-            ddec += tl.sum(hx * dhx, 1)
-        p_k = k_base + r[:, None] * BK + c[None, :]
-        dbw = tl.load(DBW + p_k)
-        dqh = scale * eg * dqg
-        dkh = el * dkg + b[:, None] * eg * dbw
-        dgc = scale * qh * eg * dqg - kg * dkg + b[:, None] * kh * eg * dbw
-        db += tl.sum(kh * eg * dbw, 1)
-        gq, gk, gg, ok = _decay_products_bwd(dp, qh, kh, gc, r, SPAN)
-        dqh += gq
-        dkh += gk
-        dgc += gg
-        tl.store(FLAG + slot * (BK // BKB) + kb, tl.where(ok, 0, 1))
-        # d gc_last reaches every row ≤ n-1 through the reverse cumsum: add it at row n-1
-        dgl = ddec * tl.exp(gl.to(tl.float32)) + tl.sum(kg * dkg, 0)
-        dgc = tl.where(rows[:, None], dgc, 0.0) + tl.where((r == n - 1)[:, None], dgl[None, :], 0.0)
-        tl.store(DGC + p_k, dgc)
-        tl.store(DQK + 2 * k_base + r[:, None] * BK + c[None, :], dqh)
-        tl.store(DQK + 2 * k_base + 64 * BK + r[:, None] * BK + c[None, :], dkh)
-    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=rows)
+    tl.store(DB0 + slot * 64 + r, db + tl.sum(d_a * akk, 1))
 
 
 @triton.jit
-def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG,
+def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, DEC, NRM, DP, DBW, DQK, DGC, DBK, FLAG,
+                      scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, SPAN: tl.constexpr):
+    # one program per (chunk slot, head, K-slice): d q̂, d k̂ and d gc of the slice (for the finish
+    # kernel) from qg, kg, βk̂e^{gc}, e^{gc_last} and the decay products (whole-chunk factors; a slice
+    # failing their span check is flagged for _chunk_bwd_blocks_kernel); the slice's share of dβ (DBK)
+    i_s, i_h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r, rows, n, tok, slot = _slot(chunk_map, cu, i_s, i_h, H)
+    rq, rk = _load_norms(NRM, slot, r)
+    b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
+    u_base = slot * (64 * BV)
+    k_base = slot * (64 * BK)
+    h_base = slot * (BK * BV)
+    c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+    eg = tl.exp(gc.to(tl.float32))
+    el = tl.exp((gl[None, :] - gc).to(tl.float32))
+    kg = kh * el
+    dqg = tl.zeros([64, BKB], dtype=tl.float32)
+    dkg = tl.zeros([64, BKB], dtype=tl.float32)
+    ddec = tl.zeros([BKB], dtype=tl.float32)
+    for vb in range(BV // BVB):
+        cv = vb * BVB + tl.arange(0, BVB)
+        m = rows[:, None] & (cv < V)[None, :]
+        p_h = h_base + c[:, None] * BV + cv[None, :]
+        hx = tl.load(HS + p_h)
+        dhx = tl.load(DHS + p_h)
+        d_o = tl.load(do + tok[:, None] * (H * V) + i_h * V + cv[None, :], mask=m, other=0.0).to(tl.float32)
+        dqg += _dot3(d_o, tl.trans(hx))
+        dkg += _dot3(tl.load(VN + u_base + r[:, None] * BV + cv[None, :]), tl.trans(dhx))
+        ddec += tl.sum(hx * dhx, 1)
+    p_k = k_base + r[:, None] * BK + c[None, :]
+    dbw = tl.load(DBW + p_k)
+    dqh = scale * eg * dqg
+    dkh = el * dkg + b[:, None] * eg * dbw
+    dgc = scale * qh * eg * dqg - kg * dkg + b[:, None] * kh * eg * dbw
+    tl.store(DBK + (slot * (BK // BKB) + kb) * 64 + r, tl.sum(kh * eg * dbw, 1))
+    gq, gk, gg, ok = _decay_products_bwd(DP + slot * 8192, qh, kh, gc, r, SPAN)
+    dqh += gq
+    dkh += gk
+    dgc += gg
+    tl.store(FLAG + slot * (BK // BKB) + kb, tl.where(ok, 0, 1))
+    # d gc_last reaches every row ≤ n-1 through the reverse cumsum: add it at row n-1
+    dgl = ddec * tl.exp(gl.to(tl.float32)) + tl.sum(kg * dkg, 0)
+    dgc = tl.where(rows[:, None], dgc, 0.0) + tl.where((r == n - 1)[:, None], dgl[None, :], 0.0)
+    tl.store(DGC + p_k, dgc)
+    tl.store(DQK + 2 * k_base + r[:, None] * BK + c[None, :], dqh)
+    tl.store(DQK + 2 * k_base + 64 * BK + r[:, None] * BK + c[None, :], dkh)
+
+
+@triton.jit
+def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, NRM, DP, DQK, DGC, FLAG,
                              H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
-                             EPS: tl.constexpr, SPAN: tl.constexpr):
+                             SPAN: tl.constexpr):
     # one program per (chunk slot, head, K-slice); only the slices flagged by _chunk_bwd_kernel (their
     # whole-chunk factors failed the span check) do work: the decay products' backward by 16-column
     # blocks (each factored at its middle row, or exact), added into d q̂, d k̂ and d gc
     i_s, i_h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if tl.load(FLAG + (i_s.to(tl.int64) * H + i_h) * (BK // BKB) + kb) != 0:
         r, rows, n, tok, slot = _slot(chunk_map, cu, i_s, i_h, H)
-        rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
+        rq, rk = _load_norms(NRM, slot, r)
         c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
         dp = DP + slot * 8192
         dqh = tl.zeros([64, BKB], dtype=tl.float32)
@@ -322,17 +336,20 @@ def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, DP, DQK, DGC, FLAG,
 
 
 @triton.jit
-def _chunk_bwd_finish_kernel(q, k, chunk_map, cu, DQK, DGC, dq, dk, dg,
-                             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
-                             EPS: tl.constexpr):
-    # one program per (chunk slot, head): dg = reverse cumsum of d gc, and dq, dk through the L2
-    # norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖
+def _chunk_bwd_finish_kernel(q, k, chunk_map, cu, NRM, DQK, DGC, DB0, DBK, dq, dk, dg, dbeta,
+                             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr):
+    # one program per (chunk slot, head): dg = reverse cumsum of d gc, dq and dk through the L2
+    # norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖, and dβ from its shares
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
-    rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
+    rq, rk = _load_norms(NRM, slot, r)
     k_base = slot * (64 * BK)
     sq = tl.zeros([64], dtype=tl.float32)
     sk = tl.zeros([64], dtype=tl.float32)
+    db = tl.load(DB0 + slot * 64 + r)
+    for kb in range(BK // BKB):
+        db += tl.load(DBK + (slot * (BK // BKB) + kb) * 64 + r)
+    tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=rows)
     for kb in range(BK // BKB):
         c = kb * BKB + tl.arange(0, BKB)
         m = rows[:, None] & (c < K)[None, :]
@@ -408,16 +425,20 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         DP = torch.empty(S, H, 2, 64, 64, **f32)
         DBW, DGC = torch.empty_like(cp.W), torch.empty_like(cp.W)
         DQK = torch.empty(S, H, 2, 64, BK, **f32)
-        FLAG = torch.empty(S, H, BK // cp.BKB, device=q.device, dtype=torch.int32)
-        _chunk_bwd_kernel[(cp.n_slots, H)](
-            q, k, v, g, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AI, HS, DHS, VN, DVN, cp.DEC,
-            DP, DBW, DQK, DGC, FLAG, dv, dbeta, float(scale),
-            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN,
+        NKB = BK // cp.BKB
+        DB0, DBK = torch.empty(S, H, 64, **f32), torch.empty(S, H, NKB, 64, **f32)
+        FLAG = torch.empty(S, H, NKB, device=q.device, dtype=torch.int32)
+        geometry = dict(H=H, BK=BK, BKB=cp.BKB)
+        _chunk_bwd_wy_kernel[(cp.n_slots, H)](
+            v, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AI, HS, VN, DVN, DP, DBW, DB0, dv, float(scale),
+            V=V, BV=BV, BVB=cp.BVB, **geometry, num_warps=warps[3], num_stages=CHUNK_BWD_STAGES)
+        _chunk_bwd_kernel[(cp.n_slots, H, NKB)](
+            q, k, g, beta, do, cp.chunk_map, cp.cu, HS, DHS, VN, cp.DEC, cp.NRM, DP, DBW, DQK, DGC, DBK, FLAG,
+            float(scale), K=K, V=V, BV=BV, BVB=cp.BVB, SPAN=kda_fp32_triton.SPAN, **geometry,
             num_warps=warps[3], num_stages=CHUNK_BWD_STAGES, maxnreg=chunk_bwd_maxnreg)
-        _chunk_bwd_blocks_kernel[(cp.n_slots, H, BK // cp.BKB)](
-            q, k, g, cp.chunk_map, cp.cu, DP, DQK, DGC, FLAG,
-            H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=kda_fp32_triton.SPAN, num_warps=4)
-        _chunk_bwd_finish_kernel[(cp.n_slots, H)](
-            q, k, cp.chunk_map, cp.cu, DQK, DGC, dq, dk, dg, H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS,
+        _chunk_bwd_blocks_kernel[(cp.n_slots, H, NKB)](
+            q, k, g, cp.chunk_map, cp.cu, cp.NRM, DP, DQK, DGC, FLAG, K=K, SPAN=kda_fp32_triton.SPAN, **geometry,
             num_warps=4)
+        _chunk_bwd_finish_kernel[(cp.n_slots, H)](
+            q, k, cp.chunk_map, cp.cu, cp.NRM, DQK, DGC, DB0, DBK, dq, dk, dg, dbeta, K=K, **geometry, num_warps=4)
     return (*(x.to(dt) for x, dt in zip((dq, dk, dv, dg, dbeta), dtypes)), dh0)

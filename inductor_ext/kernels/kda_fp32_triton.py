@@ -299,7 +299,7 @@ def _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr, V: tl.con
 
 
 @triton.jit
-def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, scale,
+def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, NRM, scale,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr,
                   STORE_A: tl.constexpr, LOAD_A: tl.constexpr):
@@ -309,6 +309,8 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, 
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
     rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
+    tl.store(NRM + slot * 128 + r, rq)  # for the backward's kernels
+    tl.store(NRM + slot * 128 + 64 + r, rk)
     b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
 
     # pass 1 over K-slices: gate cumsum, qg / kgᵀ / βk̂e^{gc} / e^{gc_last}, the decay products
@@ -540,6 +542,7 @@ class ChunkPass:
     AQK: torch.Tensor
     DEC: torch.Tensor
     AI: torch.Tensor  # per slot A⁻¹ and the k̂–k̂ products (no β), [slot, H, 2, 64, 64] (empty unless kept)
+    NRM: torch.Tensor  # per slot 1/‖q‖ and 1/‖k‖ of each row, [slot, H, 2, 64]
 
 
 def promote(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -592,11 +595,11 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
         n_slots=n_slots, cu=cu, chunk_map=chunk_map, first_slot=first_slot,
         QG=torch.empty(S, H, CHUNK, BK, **f32), KGT=torch.empty(S, H, BK, CHUNK, **f32),
         W=torch.empty(S, H, CHUNK, BK, **f32), U=torch.empty(S, H, CHUNK, BV, **f32),
-        AQK=aqk, DEC=torch.empty(S, H, BK, **f32), AI=ai)
+        AQK=aqk, DEC=torch.empty(S, H, BK, **f32), AI=ai, NRM=torch.empty(S, H, 2, CHUNK, **f32))
     if n_slots > 0 and H > 0:
         _chunk_kernel[(n_slots, H)](
             q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC,
-            ai if ai.numel() else aqk, float(scale),  # (AI is not touched unless kept or given)
+            ai if ai.numel() else aqk, cp.NRM, float(scale),  # (AI is not touched unless kept or given)
             H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN,
             STORE_A=keep_a and given_a is None, LOAD_A=given_a is not None, num_warps=warps, maxnreg=chunk_maxnreg)
     return cp
