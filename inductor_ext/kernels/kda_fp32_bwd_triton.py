@@ -8,20 +8,25 @@ inputs, or from the inputs and the forward's Aqk and A⁻¹ (``given_a``). Per c
     backward: dv_new = Aqkᵀ·do + kg·dh',  dh = e^{gc_last}·dh' + qgᵀ·do − wᵀ·dv_new
 
 then, inside the chunk, through ``w = T(β k̂ e^{gc})``, ``u = T(β v)``, ``A = I + β_i·KK`` and the decay
-products ``Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}`` (same 16-column blocks, reference rows and span check as
-the forward), the FP64 chunk cumulative gate (a reverse cumsum) and the L2 norms.
+products ``Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}`` (the forward's factors: whole chunk at row 32 where the span
+check passes, else 16-column blocks, else exact), the FP64 chunk cumulative gate (a reverse cumsum)
+and the L2 norms.
 
-Five launches, no host synchronisation:
+Seven launches, no host synchronisation:
 
-1. the forward's ``_chunk_kernel``, which also stores A⁻¹ and the k̂–k̂ products, or, given those
-   and Aqk from the forward (``given_a``), only recomputes qg, kgᵀ, w, u;
+1. the forward's ``_chunk_kernel``, which also stores A⁻¹, the k̂–k̂ products and the rows' inverse
+   norms, or, given A⁻¹ and Aqk from the forward (``given_a``), only recomputes qg, kgᵀ, w, u;
 2. the forward's ``_state_kernel`` with ``SPLIT``: the state entering every chunk and v_new;
 3. ``_state_bwd_kernel``, one program per (V block, head, document), backwards over chunks with dh
    in registers: stores dv_new and the dh' of every chunk, and dh0;
-4. ``_chunk_bwd_kernel``, one program per (chunk, head): dv, dβ, and d q̂, d k̂, d gc into scratch,
-   with the decay products' fast path only; a column block whose span check fails is flagged;
-5. ``_chunk_bwd_finish_kernel``, one program per (chunk, head): the exact path for flagged blocks,
-   dg (reverse cumsum), dq and dk (through the L2 norms).
+4. ``_chunk_bwd_wy_kernel``, one program per (chunk, head): dv, the decay products' cotangents,
+   d(β k̂ e^{gc}) and dβ's share from u and A;
+5. ``_chunk_bwd_kernel``, one program per (chunk, head, K-slice): d q̂, d k̂, d gc into scratch with
+   the decay products' whole-chunk path, flagging a slice whose span check fails; dβ's share;
+6. ``_chunk_bwd_blocks_kernel``, the same grid, idle but for flagged slices: their decay products'
+   backward by 16-column blocks (or exact);
+7. ``_chunk_bwd_finish_kernel``, one program per (chunk, head): dg (reverse cumsum), dq and dk
+   (through the L2 norms), dβ.
 
 Every dot is ``_dot3`` (three TF32 MMAs on split operands). Scratch at T = 16384, H = 64, K = V = 128:
 about 9 GB of FP32 intermediates. H200 times and the versions tried: ``notes/kda-fp32-kernels.md``.
@@ -389,8 +394,8 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
     initial_state, cu_seqlens)`` for the cotangents ``do`` (o's shape, any float dtype) and
     ``dht`` (FP32 ``[N,H,K,V]`` or None: zero). Each gradient in its input's dtype, dh0 FP32 (zeros'
     gradient when there is no initial state). Inputs as for ``kda_fp32_fwd``; ``warps`` per kernel
-    (chunk, state, state backward, chunk backward), ``chunk_bwd_maxnreg`` the register cap of the
-    chunk backward kernel, the other knobs as there. ``block_v`` 32 by default (H200, T = 16384,
+    (chunk, state, state backward, the two chunk-gradient kernels), ``chunk_bwd_maxnreg`` the register
+    cap of the per-slice chunk-gradient kernel, the other knobs as there. ``block_v`` 32 by default (H200, T = 16384,
     H = 64, K = V = 128: state pass 1.31 / backward state pass 2.91 ms against 1.51 / 3.96 at 64).
     ``given_a``: the (Aqk, AI) that ``kda_fp32_fwd(..., keep_a=True)`` returned for these inputs;
     the chunk kernel then skips the decay products and the inverse."""

@@ -14,13 +14,17 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
    ``qg = scale·q̂·e^{gc}``, ``kgᵀ = (k̂·e^{gc_last-gc})ᵀ``, ``Aqk`` (scale·masked q̂–k̂ decay products),
    ``w = A⁻¹(β k̂ e^{gc})``, ``u = A⁻¹(β v)`` with ``A = I + strict_lower(β_i k̂_i·k̂_j e^{gc_i-gc_j})``,
    and ``e^{gc_last}`` per chunk.
-   Aqk and A come from tensor-core dots per 16-column block J with one reference row r (row 16J+8)
-   of the chunk cumulative gate: ``(x_i e^{gc_i - gc_r})·(k̂_j e^{gc_r - gc_j})``. Off the diagonal
-   block both factors are ≤ 1; inside it the larger factor is bounded by e^{SPAN} (checked on the
-   data: any gate ≥ -5 per token passes); a block that fails the check takes an exact elementwise
-   path (CUDA cores, every exponent ≤ 0) for that K-slice. The cumulative gate is scanned in FP64
+   Aqk and A come from tensor-core dots over each K-slice, the decay split into two factors at a
+   reference row r of the chunk cumulative gate: ``(x_i e^{gc_i - gc_r})·(k̂_j e^{gc_r - gc_j})``.
+   First the whole chunk at r = 32 (one [64,64] dot per product); a K-slice where some factor would
+   exceed e^{SPAN} goes by 16-column blocks J instead, r = 16J+8 (off the diagonal block both
+   factors are ≤ 1, inside it ≤ e^{8|g|}: any gate ≥ -5 per token passes); a block that fails that
+   check too takes an exact elementwise path (CUDA cores, every exponent ≤ 0). H200, T = 16384,
+   H = 64, K = V = 128: chunk kernel 6.5 -> 4.9 ms with the whole-chunk path on the benchmark's
+   gates (``notes/kda-fp32-kernels.md``, session 12). The cumulative gate is scanned in FP64
    and every exponent is a difference of two of its rows rounded once to FP32, so a steep gate early
    in a chunk does not cost the later tokens ulp(|gc|) of absolute exponent error.
+   The chunk kernel also stores each row's 1/‖q‖ and 1/‖k‖ for the backward.
    A⁻¹: the four 16×16 diagonal blocks are inverted together by a 15-step row sweep ([4,16,16]
    tiles, FP32 elementwise), then block forward elimination builds the four 16-row blocks of A⁻¹
    with small dots.
@@ -57,7 +61,8 @@ MAX_DIM = FP32_KERNEL_MAX_DIM  # head dims K, V
 STATE_STAGES = 2
 # Largest exponent a factor of the blocked Aqk / A dots may carry (e^42 ≈ 1.7e18): the products of
 # masked-out pairs (up to e^84 · Σ|q̂||k̂| ≤ e^84) stay finite and the low TF32 half of the smaller
-# factor of any product ≥ 1e-12 stays a normal FP32 number. Gates ≥ -5 per token give at most 40.
+# factor of any product ≥ 1e-12 stays a normal FP32 number. A 16-column block (8 rows either side of
+# its reference) passes for gates ≥ -5 per token; the whole chunk (32 rows) for gates ≥ -1.3.
 SPAN = 42.0
 _TF32_HI = tl.constexpr(-8192)  # 0xFFFFE000: sign, exponent and the 10 mantissa bits TF32 keeps
 
