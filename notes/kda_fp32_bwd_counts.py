@@ -1,17 +1,24 @@
 """Arithmetic (not measured) per-(chunk, head) MACs and HBM bytes of the FP32 KDA backward stages at
 K = V = 128, 64-token chunks, FP32 tiles; times at T = 16384, H = 64 (16384 pairs) for 395 TFLOP/s TF32
-(three MMAs per _dot3) and 4.3 TB/s. Prints the table of notes/kda-fp32-kernels.md, session 11."""
+(three MMAs per _dot3) and 4.3 TB/s. Re-reads of the same tile by several programs (K4b's four K-slices
+read do, v_new and dP each) are counted as HBM bytes: L2 hits are not separated. Prints the table of
+notes/kda-fp32-kernels.md, session 12 (session 11: one chunk-gradient kernel, 16-column blocks)."""
 C, K, V = 64, 128, 128
 f = 4
 t = lambda r, c: r * c * f  # bytes of an FP32 [r, c] tile
+S = 4  # K-slices of 32 keys
 stages = {
- "K1 kept A (qg, kgT, w, u)": (2 * C * C * K, t(C, K) * 4 + C * f + t(C, C), t(C, K) * 4 + K * f),
+ "K1 kept A (qg, kgT, w, u)": (2 * C * C * K, t(C, K) * 4 + C * f + t(C, C), t(C, K) * 4 + K * f + 2 * C * f),
  "K2 state pass, split": (2 * C * K * V, t(C, K) * 2 + t(C, V) + K * f, t(K, V) + t(C, V)),
  "K3 state pass backwards": (C * C * V + 3 * C * K * V, t(C, C) + t(K, C) + 2 * t(C, K) + t(C, V) + K * f, t(K, V) + t(C, V)),
- "K4 chunk gradients": (3 * C * C * V + C * K * V + 2 * C * C * K + 2 * C * K * V + 4 * 4 * 4 * 16 * C * (K // 4),
-                        2 * t(C, C) + 3 * t(C, V) + t(C, V) + 2 * t(K, V) + t(C, K) + 3 * t(C, K) + t(C, K) + t(C, V) + 2 * t(C, C),
-                        t(C, V) + 2 * t(C, C) + t(C, K) + 2 * t(C, K) + t(C, K)),
- "finish (exact blocks, dg, norms)": (0, 3 * t(C, K) + 2 * t(C, K) + t(C, K) + 2 * t(C, K), 3 * t(C, K)),
+ "K4a WY backward (dv, dP, dbw)": (3 * C * C * V + C * K * V + 2 * C * C * K,
+                                   2 * t(C, C) + 2 * t(C, V) + 3 * t(C, V) + t(K, V) + t(C, K) + C * f,
+                                   t(C, V) + 2 * t(C, C) + t(C, K) + C * f),
+ "K4b per K-slice (dq, dk, dgc)": (2 * C * K * V + 4 * C * C * K,
+                                   3 * t(C, K) + 2 * C * f + 2 * t(K, V) + S * (2 * t(C, V) + 2 * t(C, C)) + t(C, K),
+                                   3 * t(C, K) + S * C * f),
+ "finish (dg, norms, dbeta)": (0, 2 * t(C, K) + 2 * C * f + 2 * 2 * t(C, K) + t(C, K) + (1 + S) * C * f,
+                               3 * t(C, K) + C * f),
 }
 pairs = 16384  # (chunk, head) pairs at T = 16384, H = 64
 tot_m = tot_b = 0
