@@ -61,7 +61,8 @@ __all__ = ["kda_fp32_bwd"]
 # the backward state pass is not software-pipelined: H200, T = 16384, H = 64, K = V = 128, block_v 64:
 # 3.95 ms at 1 stage against 6.06 ms at 2 (its loop carries five dots and 196 KB of staged loads)
 STATE_BWD_STAGES = 1
-# nor are the chunk backward kernel's loops (same geometry: 20.4 ms at 1 stage, 21.1 at 2 and 3)
+# nor are the chunk-gradient kernels' loops (same geometry, session 11's single kernel: 20.4 ms at 1
+# stage, 21.1 at 2 and 3; not re-measured for the two kernels it became)
 CHUNK_BWD_STAGES = 1
 
 
@@ -135,7 +136,7 @@ def _decay_products_bwd(dp, qh, kh, gc, r, SPAN: tl.constexpr):
     x = k̂ with dP_k at ``dp + 4096`` ([64,64] row-major each, masked). Returns d q̂, d k̂, d gc
     ([64, BKB] FP32) and ok = no exponent exceeds SPAN; if not, the slice contributes nothing here
     and ``_chunk_bwd_blocks_kernel`` takes it by 16-column blocks (a branch here would cost every
-    slice: 8 ms of this kernel's 30 at T = 16384 on the H200)."""
+    slice: session 11's exact-path branch cost 8 ms of that kernel's 30 at T = 16384 on the H200)."""
     x = _chunk_exponents(gc, r)
     ok = tl.max(tl.abs(x)) <= SPAN
     el = tl.exp(tl.where(ok, x, -float("inf")))  # both zero unless ok
