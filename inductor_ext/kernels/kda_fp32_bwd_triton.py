@@ -262,7 +262,7 @@ def _chunk_bwd_wy_kernel(v, beta, do, chunk_map, cu, W, U, AI, HS, VN, DVN, DP, 
 
 
 @triton.jit
-def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, DEC, NRM, DP, DBW, DQK, DGC, DBK, FLAG,
+def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, NRM, DP, DBW, DQK, DGC, DBK, FLAG,
                       scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, SPAN: tl.constexpr):
     # one program per (chunk slot, head, K-slice): d q̂, d k̂ and d gc of the slice (for the finish
@@ -396,8 +396,9 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
     ``dht`` (FP32 ``[N,H,K,V]`` or None: zero). Each gradient in its input's dtype, dh0 FP32 (zeros'
     gradient when there is no initial state). Inputs as for ``kda_fp32_fwd``; ``warps`` per kernel
     (chunk, state, state backward, the two chunk-gradient kernels), ``chunk_bwd_maxnreg`` the register
-    cap of the per-slice chunk-gradient kernel, the other knobs as there. ``block_v`` 32 by default (H200, T = 16384,
-    H = 64, K = V = 128: state pass 1.31 / backward state pass 2.91 ms against 1.51 / 3.96 at 64).
+    cap of the per-slice chunk-gradient kernel, the other knobs as there. ``block_v`` 32 by default
+    (H200, T = 16384, H = 64, K = V = 128: state pass 1.31 / backward state pass 2.91 ms against
+    1.51 / 3.96 at 64).
     ``given_a``: the (Aqk, AI) that ``kda_fp32_fwd(..., keep_a=True)`` returned for these inputs;
     the chunk kernel then skips the decay products and the inverse."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -439,7 +440,7 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
             v, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AI, HS, VN, DVN, DP, DBW, DB0, dv, float(scale),
             V=V, BV=BV, BVB=cp.BVB, **geometry, num_warps=warps[3], num_stages=CHUNK_BWD_STAGES)
         _chunk_bwd_kernel[(cp.n_slots, H, NKB)](
-            q, k, g, beta, do, cp.chunk_map, cp.cu, HS, DHS, VN, cp.DEC, cp.NRM, DP, DBW, DQK, DGC, DBK, FLAG,
+            q, k, g, beta, do, cp.chunk_map, cp.cu, HS, DHS, VN, cp.NRM, DP, DBW, DQK, DGC, DBK, FLAG,
             float(scale), K=K, V=V, BV=BV, BVB=cp.BVB, SPAN=kda_fp32_triton.SPAN, **geometry,
             num_warps=warps[3], num_stages=CHUNK_BWD_STAGES, maxnreg=chunk_bwd_maxnreg)
         _chunk_bwd_blocks_kernel[(cp.n_slots, H, NKB)](
