@@ -22,11 +22,12 @@ Seven launches, no host synchronisation:
 4. ``_chunk_bwd_wy_kernel``, one program per (chunk, head): dv, the decay products' cotangents,
    d(β k̂ e^{gc}) and dβ's share from u and A;
 5. ``_chunk_bwd_kernel``, one program per (chunk, head, K-slice): d q̂, d k̂, d gc into scratch with
-   the decay products' whole-chunk path, flagging a slice whose span check fails; dβ's share;
+   the decay products' whole-chunk path, flagging a slice whose span check fails; the slice's row
+   sums (dβ's share, q̂·d q̂, k̂·d k̂);
 6. ``_chunk_bwd_blocks_kernel``, the same grid, idle but for flagged slices: their decay products'
-   backward by 16-column blocks (or exact);
-7. ``_chunk_bwd_finish_kernel``, one program per (chunk, head): dg (reverse cumsum), dq and dk
-   (through the L2 norms), dβ.
+   backward by 16-column blocks (or exact), added into d q̂, d k̂, d gc and the row sums;
+7. ``_chunk_bwd_finish_kernel``, one program per (chunk, head), one pass: dg (reverse cumsum), dq
+   and dk (through the L2 norms), dβ.
 
 Every dot is ``_dot3`` (three TF32 MMAs on split operands). Scratch at T = 16384, H = 64, K = V = 128:
 about 9 GB of FP32 intermediates. H200 times and the versions tried: ``notes/kda-fp32-kernels.md``.
@@ -61,9 +62,10 @@ __all__ = ["kda_fp32_bwd"]
 # the backward state pass is not software-pipelined: H200, T = 16384, H = 64, K = V = 128, block_v 64:
 # 3.95 ms at 1 stage against 6.06 ms at 2 (its loop carries five dots and 196 KB of staged loads)
 STATE_BWD_STAGES = 1
-# nor are the chunk-gradient kernels' loops (same geometry, session 11's single kernel: 20.4 ms at 1
-# stage, 21.1 at 2 and 3; not re-measured for the two kernels it became)
-CHUNK_BWD_STAGES = 1
+# nor is the WY backward's loop (same geometry: 2.96 ms at 1 stage, 3.38 at 2); the per-slice chunk-gradient
+# kernel's is, 3 deep (its V loop's loads of HS, dh', do and v_new in flight: 8.57 / 7.47 / 7.36 ms at 1 / 2 / 3)
+CHUNK_BWD_WY_STAGES = 1
+CHUNK_BWD_STAGES = 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,12 +264,13 @@ def _chunk_bwd_wy_kernel(v, beta, do, chunk_map, cu, W, U, AI, HS, VN, DVN, DP, 
 
 
 @triton.jit
-def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, NRM, DP, DBW, DQK, DGC, DBK, FLAG,
+def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, NRM, DP, DBW, DQK, DGC, SUMS, FLAG,
                       scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr, SPAN: tl.constexpr):
-    # one program per (chunk slot, head, K-slice): d q̂, d k̂ and d gc of the slice (for the finish
-    # kernel) from qg, kg, βk̂e^{gc}, e^{gc_last} and the decay products (whole-chunk factors; a slice
-    # failing their span check is flagged for _chunk_bwd_blocks_kernel); the slice's share of dβ (DBK)
+    # one program per (chunk slot, head, K-slice): from qg, kg, βk̂e^{gc}, e^{gc_last} and the decay
+    # products (whole-chunk factors; a slice failing their span check is flagged for
+    # _chunk_bwd_blocks_kernel): the slice's d q̂, d k̂ (DQK) and d gc (DGC) for the finish kernel, and
+    # its row sums (SUMS: dβ's share, q̂·d q̂, k̂·d k̂)
     i_s, i_h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, rows, n, tok, slot = _slot(chunk_map, cu, i_s, i_h, H)
     rq, rk = _load_norms(NRM, slot, r)
@@ -297,7 +300,8 @@ def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, NRM, DP, DB
     dqh = scale * eg * dqg
     dkh = el * dkg + b[:, None] * eg * dbw
     dgc = scale * qh * eg * dqg - kg * dkg + b[:, None] * kh * eg * dbw
-    tl.store(DBK + (slot * (BK // BKB) + kb) * 64 + r, tl.sum(kh * eg * dbw, 1))
+    p_s = SUMS + (slot * (BK // BKB) + kb) * 192 + r
+    tl.store(p_s, tl.sum(kh * eg * dbw, 1))
     gq, gk, gg, ok = _decay_products_bwd(DP + slot * 8192, qh, kh, gc, r, SPAN)
     dqh += gq
     dkh += gk
@@ -309,15 +313,18 @@ def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, NRM, DP, DB
     tl.store(DGC + p_k, dgc)
     tl.store(DQK + 2 * k_base + r[:, None] * BK + c[None, :], dqh)
     tl.store(DQK + 2 * k_base + 64 * BK + r[:, None] * BK + c[None, :], dkh)
+    tl.store(p_s + 64, tl.sum(qh * dqh, 1))
+    tl.store(p_s + 128, tl.sum(kh * dkh, 1))
 
 
 @triton.jit
-def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, NRM, DP, DQK, DGC, FLAG,
+def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, NRM, DP, DQK, DGC, SUMS, FLAG,
                              H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr,
                              SPAN: tl.constexpr):
     # one program per (chunk slot, head, K-slice); only the slices flagged by _chunk_bwd_kernel (their
     # whole-chunk factors failed the span check) do work: the decay products' backward by 16-column
-    # blocks (each factored at its middle row, or exact), added into d q̂, d k̂ and d gc
+    # blocks (each factored at its middle row, or exact), added into d q̂, d k̂ (and their row sums)
+    # and d gc
     i_s, i_h, kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if tl.load(FLAG + (i_s.to(tl.int64) * H + i_h) * (BK // BKB) + kb) != 0:
         r, rows, n, tok, slot = _slot(chunk_map, cu, i_s, i_h, H)
@@ -334,53 +341,49 @@ def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, NRM, DP, DQK, DGC, FLAG,
             dqh += gq
             dkh += gk
             dgc += gg
-        p_k = slot * (64 * BK) + r[:, None] * BK + c[None, :]
         p_q = 2 * slot * (64 * BK) + r[:, None] * BK + c[None, :]
-        tl.store(DQK + p_q, tl.load(DQK + p_q) + dqh)
-        tl.store(DQK + p_q + 64 * BK, tl.load(DQK + p_q + 64 * BK) + dkh)
+        dqh += tl.load(DQK + p_q)
+        dkh += tl.load(DQK + p_q + 64 * BK)
+        tl.store(DQK + p_q, dqh)
+        tl.store(DQK + p_q + 64 * BK, dkh)
+        p_s = SUMS + (slot * (BK // BKB) + kb) * 192 + r
+        tl.store(p_s + 64, tl.sum(qh * dqh, 1))
+        tl.store(p_s + 128, tl.sum(kh * dkh, 1))
+        p_k = slot * (64 * BK) + r[:, None] * BK + c[None, :]
         tl.store(DGC + p_k, tl.load(DGC + p_k) + tl.where(rows[:, None], dgc, 0.0))
 
 
 @triton.jit
-def _chunk_bwd_finish_kernel(q, k, chunk_map, cu, NRM, DQK, DGC, DB0, DBK, dq, dk, dg, dbeta,
+def _chunk_bwd_finish_kernel(q, k, chunk_map, cu, NRM, DQK, DGC, DB0, SUMS, dq, dk, dg, dbeta,
                              H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr):
-    # one program per (chunk slot, head): dg = reverse cumsum of d gc, dq and dk through the L2
-    # norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖, and dβ from its shares
+    # one program per (chunk slot, head), one pass over the K-slices: dβ from its shares, dg = reverse
+    # cumsum of d gc, dq and dk through the L2 norms: dx = (d x̂ − x̂ (x̂·d x̂)) / ‖x‖, the row sums
+    # x̂·d x̂ from the per-slice ones in SUMS
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
     rq, rk = _load_norms(NRM, slot, r)
-    k_base = slot * (64 * BK)
+    db = tl.load(DB0 + slot * 64 + r)
     sq = tl.zeros([64], dtype=tl.float32)
     sk = tl.zeros([64], dtype=tl.float32)
-    db = tl.load(DB0 + slot * 64 + r)
     for kb in range(BK // BKB):
-        db += tl.load(DBK + (slot * (BK // BKB) + kb) * 64 + r)
+        p_s = SUMS + (slot * (BK // BKB) + kb) * 192 + r
+        db += tl.load(p_s)
+        sq += tl.load(p_s + 64)
+        sk += tl.load(p_s + 128)
     tl.store(dbeta + tok * H + i_h, db.to(dbeta.dtype.element_ty), mask=rows)
     for kb in range(BK // BKB):
         c = kb * BKB + tl.arange(0, BKB)
         m = rows[:, None] & (c < K)[None, :]
         t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
-        qh = tl.load(q + t_off, mask=m, other=0.0) * rq[:, None]
-        kh = tl.load(k + t_off, mask=m, other=0.0) * rk[:, None]
-        p_q = 2 * k_base + r[:, None] * BK + c[None, :]
-        dqh = tl.load(DQK + p_q)
-        dkh = tl.load(DQK + p_q + 64 * BK)
-        dgc = tl.load(DGC + k_base + r[:, None] * BK + c[None, :])
-        tl.store(dg + t_off, tl.cumsum(dgc, 0, reverse=True).to(dg.dtype.element_ty), mask=m)
-        sq += tl.sum(qh * dqh, 1)
-        sk += tl.sum(kh * dkh, 1)
-    tl.debug_barrier()  # DQK is read back below in other threads' layout
-    for kb in range(BK // BKB):
-        c = kb * BKB + tl.arange(0, BKB)
-        m = rows[:, None] & (c < K)[None, :]
-        t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
-        p_q = 2 * k_base + r[:, None] * BK + c[None, :]
+        p_q = 2 * slot * (64 * BK) + r[:, None] * BK + c[None, :]
         qh = tl.load(q + t_off, mask=m, other=0.0) * rq[:, None]
         kh = tl.load(k + t_off, mask=m, other=0.0) * rk[:, None]
         dqx = rq[:, None] * (tl.load(DQK + p_q) - qh * sq[:, None])
         dkx = rk[:, None] * (tl.load(DQK + p_q + 64 * BK) - kh * sk[:, None])
         tl.store(dq + t_off, dqx.to(dq.dtype.element_ty), mask=m)
         tl.store(dk + t_off, dkx.to(dk.dtype.element_ty), mask=m)
+        dgc = tl.load(DGC + slot * (64 * BK) + r[:, None] * BK + c[None, :])
+        tl.store(dg + t_off, tl.cumsum(dgc, 0, reverse=True).to(dg.dtype.element_ty), mask=m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,19 +436,19 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         DBW, DGC = torch.empty_like(cp.W), torch.empty_like(cp.W)
         DQK = torch.empty(S, H, 2, 64, BK, **f32)
         NKB = BK // cp.BKB
-        DB0, DBK = torch.empty(S, H, 64, **f32), torch.empty(S, H, NKB, 64, **f32)
+        DB0, SUMS = torch.empty(S, H, 64, **f32), torch.empty(S, H, NKB, 3, 64, **f32)
         FLAG = torch.empty(S, H, NKB, device=q.device, dtype=torch.int32)
         geometry = dict(H=H, BK=BK, BKB=cp.BKB)
         _chunk_bwd_wy_kernel[(cp.n_slots, H)](
             v, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AI, HS, VN, DVN, DP, DBW, DB0, dv, float(scale),
-            V=V, BV=BV, BVB=cp.BVB, **geometry, num_warps=warps[3], num_stages=CHUNK_BWD_STAGES)
+            V=V, BV=BV, BVB=cp.BVB, **geometry, num_warps=warps[3], num_stages=CHUNK_BWD_WY_STAGES)
         _chunk_bwd_kernel[(cp.n_slots, H, NKB)](
-            q, k, g, beta, do, cp.chunk_map, cp.cu, HS, DHS, VN, cp.NRM, DP, DBW, DQK, DGC, DBK, FLAG,
+            q, k, g, beta, do, cp.chunk_map, cp.cu, HS, DHS, VN, cp.NRM, DP, DBW, DQK, DGC, SUMS, FLAG,
             float(scale), K=K, V=V, BV=BV, BVB=cp.BVB, SPAN=kda_fp32_triton.SPAN, **geometry,
             num_warps=warps[3], num_stages=CHUNK_BWD_STAGES, maxnreg=chunk_bwd_maxnreg)
         _chunk_bwd_blocks_kernel[(cp.n_slots, H, NKB)](
-            q, k, g, cp.chunk_map, cp.cu, cp.NRM, DP, DQK, DGC, FLAG, K=K, SPAN=kda_fp32_triton.SPAN, **geometry,
+            q, k, g, cp.chunk_map, cp.cu, cp.NRM, DP, DQK, DGC, SUMS, FLAG, K=K, SPAN=kda_fp32_triton.SPAN, **geometry,
             num_warps=4)
         _chunk_bwd_finish_kernel[(cp.n_slots, H)](
-            q, k, cp.chunk_map, cp.cu, cp.NRM, DQK, DGC, DB0, DBK, dq, dk, dg, dbeta, K=K, **geometry, num_warps=4)
+            q, k, cp.chunk_map, cp.cu, cp.NRM, DQK, DGC, DB0, SUMS, dq, dk, dg, dbeta, K=K, **geometry, num_warps=4)
     return (*(x.to(dt) for x, dt in zip((dq, dk, dv, dg, dbeta), dtypes)), dh0)

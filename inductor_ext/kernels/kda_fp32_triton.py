@@ -59,6 +59,9 @@ MAX_DIM = FP32_KERNEL_MAX_DIM  # head dims K, V
 # for the unpipelined loop at block_v 32 (block_v 32 with 2 stages: 3178-3196 us, 155 KB, one program
 # per SM; 3 stages need 278 KB, more than an SM has)
 STATE_STAGES = 2
+# the chunk kernel's loops are not software-pipelined: H200, same size, 4.61 ms at 1 stage against 4.96 at
+# Triton's default 3 (5.05 at 2) keeping A, and 2.10 against 2.24 ms reading it (the backward's call)
+CHUNK_STAGES = 1
 # Largest exponent a factor of the blocked Aqk / A dots may carry (e^42 ≈ 1.7e18): the products of
 # masked-out pairs (up to e^84 · Σ|q̂||k̂| ≤ e^84) stay finite and the low TF32 half of the smaller
 # factor of any product ≥ 1e-12 stays a normal FP32 number. A 16-column block (8 rows either side of
@@ -606,7 +609,8 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
             q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC,
             ai if ai.numel() else aqk, cp.NRM, float(scale),  # (AI is not touched unless kept or given)
             H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN,
-            STORE_A=keep_a and given_a is None, LOAD_A=given_a is not None, num_warps=warps, maxnreg=chunk_maxnreg)
+            STORE_A=keep_a and given_a is None, LOAD_A=given_a is not None, num_warps=warps, num_stages=CHUNK_STAGES,
+            maxnreg=chunk_maxnreg)
     return cp
 
 
