@@ -409,7 +409,8 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
                   chunk_bwd_maxnreg=chunk_bwd_maxnreg)
     if do.shape != v.shape:
         raise ValueError(f"kda_fp32_bwd: do must have o's shape {tuple(v.shape)}, got {tuple(do.shape)}")
-    dtypes = [x.dtype for x in (q, k, v, g, beta)]
+    # the gradients in their inputs' dtypes: the kernels store them so, no conversion pass on BF16 inputs
+    dq, dk, dv, dg, dbeta = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v, g, beta))
     q, k, v, g, beta, do = promote(q, k, v, g, beta, do)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
                     chunk_maxnreg=chunk_maxnreg, keep_a=True, given_a=given_a)
@@ -430,7 +431,6 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
             cp.QG, cp.KGT, cp.W, cp.AQK, cp.DEC, do, dht.contiguous() if dht is not None else dh0, dh0,
             cp.cu, cp.first_slot, DHS, DVN, H=H, K=K, V=V, BK=BK, BV=BV, BVT=cp.BVT, HAS_DHT=dht is not None,
             num_warps=warps[2], num_stages=STATE_BWD_STAGES)
-    dq, dk, dv, dg, dbeta = (torch.empty_like(x) for x in (q, k, v, g, beta))
     if cp.n_slots > 0 and H > 0:
         DP = torch.empty(S, H, 2, 64, 64, **f32)
         DBW, DGC = torch.empty_like(cp.W), torch.empty_like(cp.W)
@@ -451,4 +451,4 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
             num_warps=4)
         _chunk_bwd_finish_kernel[(cp.n_slots, H)](
             q, k, cp.chunk_map, cp.cu, cp.NRM, DQK, DGC, DB0, SUMS, dq, dk, dg, dbeta, K=K, **geometry, num_warps=4)
-    return (*(x.to(dt) for x, dt in zip((dq, dk, dv, dg, dbeta), dtypes)), dh0)
+    return dq, dk, dv, dg, dbeta, dh0

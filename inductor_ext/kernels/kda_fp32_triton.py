@@ -554,10 +554,12 @@ class ChunkPass:
 
 
 def promote(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The inputs as contiguous FP32 (exact for BF16). The kernels run on FP32 pointers only: on BF16
-    ones the chunk kernel compiles to 26 % more SASS and 2.8x the spill loads (sm_90, 14125 vs 11187
-    instructions), and the op's forward with BF16 inputs took 13.7 ms on the H200 against 8.8 ms for
-    the same kernels on FP32 inputs (T = 16384, H = 64, K = V = 128; notes/kda-fp32-kernels.md)."""
+    """The inputs as contiguous FP32 (exact for BF16). The kernels read FP32 pointers only (they store
+    o and the gradients in their inputs' dtypes): on BF16 ones the chunk kernel compiles to 26 % more
+    SASS and 2.8x the spill loads (sm_90, 14125 vs 11187 instructions), and the op's forward with BF16
+    inputs took 13.7 ms on the H200 against 8.8 ms for the same kernels on FP32 inputs (T = 16384,
+    H = 64, K = V = 128; notes/kda-fp32-kernels.md); a BF16 do takes the WY backward from 168 to 217
+    registers (sm_90, one program per SM fewer)."""
     return tuple(x.float().contiguous() for x in xs)
 
 
@@ -651,16 +653,15 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_blocks("kda_fp32_fwd", block_k, block_v, chunk_maxnreg=chunk_maxnreg)
-    out_dtype = v.dtype
+    o = torch.empty(v.shape, device=v.device, dtype=v.dtype)  # stored in v's dtype by the state kernel
     q, k, v, g, beta = promote(q, k, v, g, beta)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
                     chunk_maxnreg=chunk_maxnreg, keep_a=keep_a)
-    o = torch.empty_like(v)
     final = torch.empty(cp.N, cp.H, cp.K, cp.V, device=q.device, dtype=torch.float32)
     kept = (cp.AQK, cp.AI) if keep_a else ()
     if not split_output:
         state_pass(cp, o, initial_state, final, warps=warps[1], split_output=False)
-        return (o.to(out_dtype), final, *kept)
+        return (o, final, *kept)
     f32 = dict(device=q.device, dtype=torch.float32)
     HS = torch.empty(cp.QG.shape[0], cp.H, cp.BK, cp.BV, **f32)
     VN = torch.empty_like(cp.U)
@@ -669,4 +670,4 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
         _output_kernel[(cp.n_slots, cp.H, cp.BV // cp.BVT)](
             cp.QG, cp.AQK, HS, VN, o, cp.chunk_map, cp.cu, H=cp.H, K=cp.K, V=cp.V, BK=cp.BK, BV=cp.BV,
             BVT=cp.BVT, num_warps=warps[1])
-    return (o.to(out_dtype), final, *kept)
+    return (o, final, *kept)
