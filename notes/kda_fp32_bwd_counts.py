@@ -2,7 +2,8 @@
 K = V = 128, 64-token chunks, FP32 tiles; times at T = 16384, H = 64 (16384 pairs) for 395 TFLOP/s TF32
 (three MMAs per _dot3) and 4.3 TB/s. Re-reads of the same tile by several programs (K4b's four K-slices
 read do, v_new and dP each) are counted as HBM bytes: L2 hits are not separated. Prints the table of
-notes/kda-fp32-kernels.md, session 12 (session 11: one chunk-gradient kernel, 16-column blocks)."""
+notes/kda-fp32-kernels.md, session 13 (session 12: a two-pass finish kernel, which re-read q, k, d q̂ and
+d k̂; session 11: one chunk-gradient kernel, 16-column blocks)."""
 C, K, V = 64, 128, 128
 f = 4
 t = lambda r, c: r * c * f  # bytes of an FP32 [r, c] tile
@@ -16,9 +17,9 @@ stages = {
                                    t(C, V) + 2 * t(C, C) + t(C, K) + C * f),
  "K4b per K-slice (dq, dk, dgc)": (2 * C * K * V + 4 * C * C * K,
                                    3 * t(C, K) + 2 * C * f + 2 * t(K, V) + S * (2 * t(C, V) + 2 * t(C, C)) + t(C, K),
-                                   3 * t(C, K) + S * C * f),
- "finish (dg, norms, dbeta)": (0, 2 * t(C, K) + 2 * C * f + 2 * 2 * t(C, K) + t(C, K) + (1 + S) * C * f,
-                               3 * t(C, K) + C * f),
+                                   3 * t(C, K) + S * 3 * C * f),  # dq̂, dk̂, dgc; per slice dβ's share, q̂·dq̂, k̂·dk̂
+ "finish, one pass (dg, norms, dbeta)": (0, 2 * t(C, K) + 2 * C * f + 2 * t(C, K) + t(C, K) + (1 + 3 * S) * C * f,
+                                         3 * t(C, K) + C * f),
 }
 pairs = 16384  # (chunk, head) pairs at T = 16384, H = 64
 tot_m = tot_b = 0
