@@ -211,6 +211,13 @@ def _load_norms(NRM, slot, r):
 
 
 @triton.jit
+def _slice_sums(SUMS, slot, kb, r, BK: tl.constexpr, BKB: tl.constexpr):
+    """Where K-slice kb's three row sums go in SUMS ``[S, H, BK // BKB, 3, 64]``: dβ's share at +0,
+    q̂·d q̂ at +64, k̂·d k̂ at +128."""
+    return SUMS + (slot * (BK // BKB) + kb) * 192 + r
+
+
+@triton.jit
 def _chunk_bwd_wy_kernel(v, beta, do, chunk_map, cu, W, U, AI, HS, VN, DVN, DP, DBW, DB0, dv, scale,
                          H: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          BKB: tl.constexpr, BVB: tl.constexpr):
@@ -300,7 +307,7 @@ def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, NRM, DP, DB
     dqh = scale * eg * dqg
     dkh = el * dkg + b[:, None] * eg * dbw
     dgc = scale * qh * eg * dqg - kg * dkg + b[:, None] * kh * eg * dbw
-    p_s = SUMS + (slot * (BK // BKB) + kb) * 192 + r
+    p_s = _slice_sums(SUMS, slot, kb, r, BK, BKB)
     tl.store(p_s, tl.sum(kh * eg * dbw, 1))
     gq, gk, gg, ok = _decay_products_bwd(DP + slot * 8192, qh, kh, gc, r, SPAN)
     dqh += gq
@@ -346,7 +353,7 @@ def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, NRM, DP, DQK, DGC, SUMS, FL
         dkh += tl.load(DQK + p_q + 64 * BK)
         tl.store(DQK + p_q, dqh)
         tl.store(DQK + p_q + 64 * BK, dkh)
-        p_s = SUMS + (slot * (BK // BKB) + kb) * 192 + r
+        p_s = _slice_sums(SUMS, slot, kb, r, BK, BKB)
         tl.store(p_s + 64, tl.sum(qh * dqh, 1))
         tl.store(p_s + 128, tl.sum(kh * dkh, 1))
         p_k = slot * (64 * BK) + r[:, None] * BK + c[None, :]
@@ -366,7 +373,7 @@ def _chunk_bwd_finish_kernel(q, k, chunk_map, cu, NRM, DQK, DGC, DB0, SUMS, dq, 
     sq = tl.zeros([64], dtype=tl.float32)
     sk = tl.zeros([64], dtype=tl.float32)
     for kb in range(BK // BKB):
-        p_s = SUMS + (slot * (BK // BKB) + kb) * 192 + r
+        p_s = _slice_sums(SUMS, slot, kb, r, BK, BKB)
         db += tl.load(p_s)
         sq += tl.load(p_s + 64)
         sk += tl.load(p_s + 128)
