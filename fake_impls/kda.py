@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.kda import CHUNK, drop_residuals, fp32_kernels_apply, fp32_residual_shapes
+from inductor_ext.ops.kda import CHUNK, returned_residuals
 
 __all__ = ["kda_chunk_fake", "kda_chunk_bwd_fake", "kda_recurrent_fake"]
 
@@ -38,11 +38,7 @@ def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision
         q.new_empty(B, T, H, CHUNK, dtype=store),
         q.new_empty(B, T, H, CHUNK, dtype=store),
     )
-    if not residuals:
-        return drop_residuals(out)
-    if fp32_kernels_apply(q, v, precision):
-        return (*out[:2], *(q.new_empty(shape, dtype=torch.float32) for shape in fp32_residual_shapes(q, cu_seqlens)))
-    return out
+    return returned_residuals(out, q, v, cu_seqlens, precision, residuals)
 
 
 @torch.library.register_fake("glm53::kda_chunk_bwd")

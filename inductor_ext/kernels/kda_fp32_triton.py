@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_count
+from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_count, chunk_slots
 
 __all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
 
@@ -589,7 +589,7 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
         N = cu_seqlens.numel() - 1
         cu = cu_seqlens.contiguous()
     n_slots = chunk_count(q, cu_seqlens)
-    S = max(n_slots, 1)  # = chunk_slots(q, cu_seqlens): the scratch's and the residuals' first dim
+    S = chunk_slots(q, cu_seqlens)  # the scratch's and the residuals' first dim
     chunk_map, first_slot = _chunk_list(cu, S)
     f32 = dict(device=dev, dtype=torch.float32)
     if given_a is not None:

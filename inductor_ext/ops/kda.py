@@ -47,6 +47,7 @@ __all__ = [
     "drop_residuals",
     "fp32_kernels_apply",
     "fp32_residual_shapes",
+    "returned_residuals",
     "chunk_count",
     "chunk_slots",
     "validate_kda_inputs",
@@ -328,15 +329,25 @@ def fp32_residual_shapes(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> li
     return [(0,)] * 5 + [(S, H, CHUNK, CHUNK), (S, H, 2, CHUNK, CHUNK)]
 
 
+def returned_residuals(out: tuple, q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                       precision: str, residuals: bool) -> tuple:
+    """``out`` = ``(o, final_state, *seven residuals)`` as the plain-torch reference (or the fake)
+    computes them, with the residuals the op returns: empty without ``residuals``
+    (:func:`drop_residuals`); under :func:`fp32_kernels_apply`, FP32 zeros of
+    :func:`fp32_residual_shapes` (the CUDA kernels' layout, which no reference backward reads);
+    otherwise ``out`` itself."""
+    if not residuals:
+        return drop_residuals(out)
+    if fp32_kernels_apply(q, v, precision):
+        return (*out[:2], *(q.new_zeros(shape, dtype=torch.float32) for shape in fp32_residual_shapes(q, cu_seqlens)))
+    return out
+
+
 def _kda_chunk_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     with torch.no_grad():
         out = tuple(x.contiguous() for x in kda_chunk_reference(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, precision))
-    if not residuals:
-        return drop_residuals(out)
-    if fp32_kernels_apply(q, v, precision):  # the CUDA kernels' layout; this backward recomputes
-        return (*out[:2], *(q.new_zeros(shape, dtype=torch.float32) for shape in fp32_residual_shapes(q, cu_seqlens)))
-    return out
+    return returned_residuals(out, q, v, cu_seqlens, precision, residuals)
 
 
 def _kda_chunk_bwd_reference_kernel(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
