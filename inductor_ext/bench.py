@@ -4,7 +4,7 @@ Peers timed in the same process at B=1, H=64, K=V=128: flash-linear-attention's 
 ``chunk_kda`` (L2 norm in kernel) on BF16 inputs, on FP32 inputs promoted before timing
 (``fla_chunk_kda_fp32``: the kernels alone) and promoted inside the timed call with the output cast
 back to BF16 (``fla_chunk_kda_fp32_promoting``: what a training stack pays to run KDA in FP32), ours
-``bf16`` and ours ``fp32`` (BF16 inputs, promoted inside the op). Forward: p50 / max of single
+``bf16`` and ours ``fp32`` (BF16 inputs, which its kernels read as they are). Forward: p50 / max of single
 graph replays; forward+backward: the same for a graph that holds the forward and ``torch.autograd.grad`` of all five inputs.
 """
 

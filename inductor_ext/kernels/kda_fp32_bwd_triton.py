@@ -53,7 +53,7 @@ from inductor_ext.kernels.kda_fp32_triton import (
     _slot,
     _store_state,
     chunk_pass,
-    promote,
+    contiguous_inputs,
     state_pass,
 )
 
@@ -66,6 +66,10 @@ STATE_BWD_STAGES = 1
 # kernel's is, 3 deep (its V loop's loads of HS, dh', do and v_new in flight: 8.57 / 7.47 / 7.36 ms at 1 / 2 / 3)
 CHUNK_BWD_WY_STAGES = 1
 CHUNK_BWD_STAGES = 3
+# the WY backward's register cap: on BF16 v, beta, do or dv ptxas takes it from 168 to 174-210 registers (sm_90),
+# one program per SM fewer; capped it keeps 168 with at most 8 bytes of spills. H200, same size, BF16 inputs:
+# 2901 against 3579 us
+CHUNK_BWD_WY_MAXNREG = 168
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,8 +387,8 @@ def _chunk_bwd_finish_kernel(q, k, chunk_map, cu, NRM, DQK, DGC, DB0, SUMS, dq, 
         m = rows[:, None] & (c < K)[None, :]
         t_off = tok[:, None] * (H * K) + i_h * K + c[None, :]
         p_q = 2 * slot * (64 * BK) + r[:, None] * BK + c[None, :]
-        qh = tl.load(q + t_off, mask=m, other=0.0) * rq[:, None]
-        kh = tl.load(k + t_off, mask=m, other=0.0) * rk[:, None]
+        qh = tl.load(q + t_off, mask=m, other=0.0).to(tl.float32) * rq[:, None]
+        kh = tl.load(k + t_off, mask=m, other=0.0).to(tl.float32) * rk[:, None]
         dqx = rq[:, None] * (tl.load(DQK + p_q) - qh * sq[:, None])
         dkx = rk[:, None] * (tl.load(DQK + p_q + 64 * BK) - kh * sk[:, None])
         tl.store(dq + t_off, dqx.to(dq.dtype.element_ty), mask=m)
@@ -418,7 +422,7 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         raise ValueError(f"kda_fp32_bwd: do must have o's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     # the gradients in their inputs' dtypes: the kernels store them so, no conversion pass on BF16 inputs
     dq, dk, dv, dg, dbeta = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v, g, beta))
-    q, k, v, g, beta, do = promote(q, k, v, g, beta, do)
+    q, k, v, g, beta, do = contiguous_inputs(q, k, v, g, beta, do)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
                     chunk_maxnreg=chunk_maxnreg, keep_a=True, given_a=given_a)
     N, H, K, V, BK, BV = cp.N, cp.H, cp.K, cp.V, cp.BK, cp.BV
@@ -448,7 +452,8 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         geometry = dict(H=H, BK=BK, BKB=cp.BKB)
         _chunk_bwd_wy_kernel[(cp.n_slots, H)](
             v, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AI, HS, VN, DVN, DP, DBW, DB0, dv, float(scale),
-            V=V, BV=BV, BVB=cp.BVB, **geometry, num_warps=warps[3], num_stages=CHUNK_BWD_WY_STAGES)
+            V=V, BV=BV, BVB=cp.BVB, **geometry, num_warps=warps[3], num_stages=CHUNK_BWD_WY_STAGES,
+            maxnreg=CHUNK_BWD_WY_MAXNREG)
         _chunk_bwd_kernel[(cp.n_slots, H, NKB)](
             q, k, g, beta, do, cp.chunk_map, cp.cu, HS, DHS, VN, cp.NRM, DP, DBW, DQK, DGC, SUMS, FLAG,
             float(scale), K=K, V=V, BV=BV, BVB=cp.BVB, SPAN=kda_fp32_triton.SPAN, **geometry,

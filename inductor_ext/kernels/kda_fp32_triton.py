@@ -51,7 +51,7 @@ import triton.language as tl
 
 from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_count, chunk_slots
 
-__all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
+__all__ = ["kda_fp32_fwd", "contiguous_inputs", "MAX_DIM", "SPAN"]
 
 MAX_DIM = FP32_KERNEL_MAX_DIM  # head dims K, V
 # the state pass's loop over chunks keeps the loads of 2 chunks in flight (cp.async into shared memory:
@@ -553,14 +553,13 @@ class ChunkPass:
     NRM: torch.Tensor  # per slot 1/‖q‖ and 1/‖k‖ of each row, [slot, H, 2, 64]
 
 
-def promote(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The inputs as contiguous FP32 (exact for BF16). The kernels read FP32 pointers only (they store
-    o and the gradients in their inputs' dtypes): on BF16 ones the chunk kernel compiles to 26 % more
-    SASS and 2.8x the spill loads (sm_90, 14125 vs 11187 instructions), and the op's forward with BF16
-    inputs took 13.7 ms on the H200 against 8.8 ms for the same kernels on FP32 inputs (T = 16384,
-    H = 64, K = V = 128; notes/kda-fp32-kernels.md); a BF16 do takes the WY backward from 168 to 217
-    registers (sm_90, one program per SM fewer)."""
-    return tuple(x.float().contiguous() for x in xs)
+def contiguous_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inputs as contiguous tensors in their own dtypes. The kernels convert BF16 to FP32 as they
+    load it (exact), so BF16 inputs cost no FP32 copies. H200, T = 16384, H = 64, K = V = 128, BF16
+    q, k, v, beta and do: forward 8078 -> 7222 us and forward + backward 28191 -> 24334 us against
+    promoting them to FP32 copies first, although the chunk kernel itself takes 4857 instead of 4531 us
+    (more spills: sm_90, 2112 against 624 bytes of spill loads); notes/kda-fp32-kernels.md, session 14."""
+    return tuple(x.contiguous() for x in xs)
 
 
 def _check_blocks(name: str, block_k: int, block_v: int, **maxnregs: int | None) -> None:
@@ -633,7 +632,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
                  chunk_maxnreg: int | None = 168, split_output: bool = False, keep_a: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
-    q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16 (promoted to FP32 first: :func:`promote`),
+    q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16 (read as they are, converted to FP32 on load),
     g ``[B,T,H,K]`` FP32, beta ``[B,T,H]``,
     optional FP32 initial_state ``[N,H,K,V]``, optional int64 cu_seqlens ``[N+1]`` (then B = 1).
     Returns (o in v's dtype ``[B,T,H,V]``, final state FP32 ``[N,H,K,V]``). Tuning knobs, not
@@ -654,7 +653,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_blocks("kda_fp32_fwd", block_k, block_v, chunk_maxnreg=chunk_maxnreg)
     o = torch.empty(v.shape, device=v.device, dtype=v.dtype)  # stored in v's dtype by the state kernel
-    q, k, v, g, beta = promote(q, k, v, g, beta)
+    q, k, v, g, beta = contiguous_inputs(q, k, v, g, beta)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
                     chunk_maxnreg=chunk_maxnreg, keep_a=keep_a)
     final = torch.empty(cp.N, cp.H, cp.K, cp.V, device=q.device, dtype=torch.float32)
