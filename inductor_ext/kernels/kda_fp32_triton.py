@@ -21,7 +21,11 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
    factors are ≤ 1, inside it ≤ e^{8|g|}: any gate ≥ -5 per token passes); a block that fails that
    check too takes an exact elementwise path (CUDA cores, every exponent ≤ 0). H200, T = 16384,
    H = 64, K = V = 128: chunk kernel 6.5 -> 4.9 ms with the whole-chunk path on the benchmark's
-   gates (``notes/kda-fp32-kernels.md``, session 12). The cumulative gate is scanned in FP64
+   gates (``notes/kda-fp32-kernels.md``, session 12). The kernel is launched twice: the first launch
+   takes the chunks whose keys all keep the whole-chunk factors within e^{SPAN} (a bound from Σ|g|
+   over each half chunk, before any other work) and flags the rest, which the second launch, the only
+   one compiled with the 16-column-block and exact paths, computes (session 14: without that code the
+   common case's kernel has 8.3 instead of 11.7 k instructions and fewer spills). The cumulative gate is scanned in FP64
    and every exponent is a difference of two of its rows rounded once to FP32, so a steep gate early
    in a chunk does not cost the later tokens ulp(|gc|) of absolute exponent error.
    The chunk kernel also stores each row's 1/‖q‖ and 1/‖k‖ for the backward.
@@ -173,16 +177,39 @@ def _chunk_exponents(gc, r):
 
 
 @triton.jit
-def _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.constexpr):
+def _whole_chunk_products(qh, kh, x, acc_q, acc_k):
+    """Add one K-slice's decay products factored at row 32 (x: :func:`_chunk_exponents`)."""
+    rt = tl.trans(kh * tl.exp(-x))  # [BKB, 64]
+    el = tl.exp(x)
+    return acc_q + _dot3(qh * el, rt), acc_k + _dot3(kh * el, rt)
+
+
+@triton.jit
+def _chunk_span(g, tok, rows, r, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr):
+    """A bound on the exponents |gc_i − gc_32| of the whole-chunk factors, over every key of the chunk:
+    the larger of Σ|g| over rows 1..32 and over rows 33..63 (equal to the largest exponent for decays)."""
+    span = tl.full([], 0.0, tl.float32)
+    for kb in range(BK // BKB):
+        c = kb * BKB + tl.arange(0, BKB)
+        m = rows[:, None] & (c < K)[None, :]
+        a = tl.abs(tl.load(g + tok[:, None] * (H * K) + i_h * K + c[None, :], mask=m, other=0.0))
+        top = tl.sum(tl.where(((r >= 1) & (r <= 32))[:, None], a, 0.0), 0)
+        bottom = tl.sum(tl.where((r > 32)[:, None], a, 0.0), 0)
+        span = tl.maximum(span, tl.max(tl.maximum(top, bottom)))
+    return span
+
+
+@triton.jit
+def _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.constexpr, BLOCKS: tl.constexpr):
     """Add one K-slice's unmasked q̂–k̂ (acc_q) and k̂–k̂ (acc_k) decay products, [64, 64] each.
-    Whole chunk at once, factored at row 32, when no exponent exceeds SPAN; otherwise by the four
-    16-column blocks of :func:`_col_block` (each factored at its own middle row, or exact)."""
+    Whole chunk at once, factored at row 32. With BLOCKS (the launch for chunks that
+    :func:`_chunk_span` did not clear) only when no exponent of the slice exceeds SPAN, otherwise by
+    the four 16-column blocks of :func:`_col_block` (each factored at its own middle row, or exact)."""
     x = _chunk_exponents(gc, r)
-    if tl.max(tl.abs(x)) <= SPAN:
-        rt = tl.trans(kh * tl.exp(-x))  # [BKB, 64]
-        el = tl.exp(x)
-        acc_q += _dot3(qh * el, rt)
-        acc_k += _dot3(kh * el, rt)
+    if not BLOCKS:
+        acc_q, acc_k = _whole_chunk_products(qh, kh, x, acc_q, acc_k)
+    elif tl.max(tl.abs(x)) <= SPAN:
+        acc_q, acc_k = _whole_chunk_products(qh, kh, x, acc_q, acc_k)
     else:
         z = tl.zeros([64, 16], dtype=tl.float32)
         q0, k0 = _col_block(qh, kh, gc, r, z, z, 0, BKB, SPAN)
@@ -307,15 +334,26 @@ def _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr, V: tl.con
 
 
 @triton.jit
-def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, NRM, scale,
+def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, NRM, FLAG, scale,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr,
-                  STORE_A: tl.constexpr, LOAD_A: tl.constexpr):
+                  STORE_A: tl.constexpr, LOAD_A: tl.constexpr, BLOCKS: tl.constexpr):
     # AI: per slot A⁻¹ then the k̂–k̂ products (no β, j < i), [2, 64, 64]; STORE_A: store them (the
     # backward reads them); LOAD_A: Aqk and AI hold a previous call's results: skip the decay
-    # products and the inverse, recompute only qg, kgᵀ, w, u and e^{gc_last}
+    # products and the inverse, recompute only qg, kgᵀ, w, u and e^{gc_last}. Otherwise two launches:
+    # without BLOCKS a program computes its chunk if _chunk_span clears it for the whole-chunk factors
+    # and flags it in FLAG if not; with BLOCKS a program computes only a flagged chunk
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
+    if not LOAD_A:
+        if BLOCKS:
+            if tl.load(FLAG + slot) == 0:
+                return
+        else:
+            flag = tl.where(_chunk_span(g, tok, rows, r, i_h, H, K, BK, BKB) <= SPAN, 0, 1)
+            tl.store(FLAG + slot, flag)
+            if flag != 0:
+                return
     rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
     tl.store(NRM + slot * 128 + r, rq)  # for the backward's kernels
     tl.store(NRM + slot * 128 + 64 + r, rk)
@@ -328,7 +366,7 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, 
         c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
         _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
         if not LOAD_A:
-            acc_q, acc_k = _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB, SPAN)
+            acc_q, acc_k = _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB, SPAN, BLOCKS)
 
     c64 = tl.arange(0, 64)
     p_ai = AI + slot * 8192 + r[:, None] * 64 + c64[None, :]
@@ -606,12 +644,16 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
         W=torch.empty(S, H, CHUNK, BK, **f32), U=torch.empty(S, H, CHUNK, BV, **f32),
         AQK=aqk, DEC=torch.empty(S, H, BK, **f32), AI=ai, NRM=torch.empty(S, H, 2, CHUNK, **f32))
     if n_slots > 0 and H > 0:
-        _chunk_kernel[(n_slots, H)](
-            q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC,
-            ai if ai.numel() else aqk, cp.NRM, float(scale),  # (AI is not touched unless kept or given)
-            H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN,
-            STORE_A=keep_a and given_a is None, LOAD_A=given_a is not None, num_warps=warps, num_stages=CHUNK_STAGES,
-            maxnreg=chunk_maxnreg)
+        load_a = given_a is not None
+        # per (slot, head): 1 where the chunk's whole-chunk factors may exceed e^SPAN (not used when reading A)
+        flag = torch.empty(0 if load_a else S, H, device=dev, dtype=torch.int32)
+        for blocks in (False,) if load_a else (False, True):
+            _chunk_kernel[(n_slots, H)](
+                q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC,
+                ai if ai.numel() else aqk, cp.NRM, flag if flag.numel() else aqk, float(scale),
+                H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN,
+                STORE_A=keep_a and not load_a, LOAD_A=load_a, BLOCKS=blocks, num_warps=warps,
+                num_stages=CHUNK_STAGES, maxnreg=chunk_maxnreg)  # (AI, FLAG are not touched unless used)
     return cp
 
 
