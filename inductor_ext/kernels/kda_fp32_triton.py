@@ -339,13 +339,12 @@ def _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr, V: tl.con
 def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, NRM, FLAG, scale,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr,
-                  STORE_A: tl.constexpr, LOAD_A: tl.constexpr, BLOCKS: tl.constexpr, STATE_SOLVES: tl.constexpr):
+                  STORE_A: tl.constexpr, LOAD_A: tl.constexpr, BLOCKS: tl.constexpr):
     # AI: per slot A⁻¹ then the k̂–k̂ products (no β, j < i), [2, 64, 64]; STORE_A: store them (the
     # backward reads them); LOAD_A: Aqk and AI hold a previous call's results: skip the decay
     # products and the inverse, recompute only qg, kgᵀ, w, u and e^{gc_last}. Otherwise two launches:
     # without BLOCKS a program computes its chunk if _chunk_span clears it for the whole-chunk factors
-    # and flags it in FLAG if not; with BLOCKS a program computes only a flagged chunk. STATE_SOLVES: leave
-    # w and u to the state pass (W keeps the right-hand side β k̂ e^{gc}; A⁻¹ is stored for it)
+    # and flags it in FLAG if not; with BLOCKS a program computes only a flagged chunk
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
     if not LOAD_A:
@@ -384,10 +383,10 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, 
         if STORE_A:
             tl.store(p_ai + 4096, akk)
         ainv = _inverse(akk * b[:, None], r)
-        if STORE_A or STATE_SOLVES:
+        if STORE_A:
             tl.store(p_ai, ainv)
-    if not STATE_SOLVES:  # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
-        _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H, V, BK, BV, BKB, BVB)
+    # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
+    _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H, V, BK, BV, BKB, BVB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,9 +431,9 @@ def _store_state(ptr, a, b, off_a, off_b, m_a, m_b, TWO: tl.constexpr):
 
 
 @triton.jit
-def _state_kernel(QG, KGT, W, U, AQK, DEC, AI, v, beta, o, h0, ht, cu, first_slot, HS, VN,
+def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BVT: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr, STATE_SOLVES: tl.constexpr):
+                  BVT: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr):
     # the state [K, BVT] is held as one or two [≤64, BVT] register tiles (K rows 0-63, 64-127): each
     # dot's A operand (split into TF32 hi/lo in registers) is then at most [64, 64], which keeps
     # K = 128 free of register spills
@@ -457,15 +456,7 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, AI, v, beta, o, h0, ht, cu, first_slo
         if TWO:
             wh += _dot3(tl.load(p_w + 64), hb)
         p_u = slot * (64 * BV) + r[:, None] * BV + cv[None, :]
-        if STATE_SOLVES:  # v_new = A⁻¹ (β v − (β k̂ e^{gc})·h): W holds the right-hand side
-            tok = bos + it * 64 + r
-            live = r < length - it * 64
-            bv = tl.load(v + tok[:, None] * (H * V) + i_h * V + cv[None, :],
-                         mask=live[:, None] & (cv < V)[None, :], other=0.0).to(tl.float32)
-            bv = bv * tl.load(beta + tok * H + i_h, mask=live, other=0.0).to(tl.float32)[:, None]
-            vn = _dot3(tl.load(AI + slot * 8192 + r[:, None] * 64 + c64[None, :]), bv - wh)
-        else:
-            vn = tl.load(U + p_u) - wh
+        vn = tl.load(U + p_u) - wh
         if SPLIT:  # the state before this chunk and v_new, for _output_kernel
             p_h = slot * (BK * BV) + ck[:, None] * BV + cv[None, :]
             tl.store(HS + p_h, ha)
@@ -598,11 +589,8 @@ class ChunkPass:
     U: torch.Tensor
     AQK: torch.Tensor
     DEC: torch.Tensor
-    AI: torch.Tensor  # per slot A⁻¹ and the k̂–k̂ products (no β), [slot, H, 2, 64, 64] (empty unless used)
+    AI: torch.Tensor  # per slot A⁻¹ and the k̂–k̂ products (no β), [slot, H, 2, 64, 64] (empty unless kept)
     NRM: torch.Tensor  # per slot 1/‖q‖ and 1/‖k‖ of each row, [slot, H, 2, 64]
-    v: torch.Tensor  # the inputs v and beta, which the state pass reads when it solves
-    beta: torch.Tensor
-    state_solves: bool  # W holds β k̂ e^{gc}, U is empty: the state pass forms v_new from A⁻¹, v, β
 
 
 def contiguous_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -625,14 +613,10 @@ def _check_blocks(name: str, block_k: int, block_v: int, **maxnregs: int | None)
 
 
 def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: int, warps: int,
-               chunk_maxnreg: int | None, keep_a: bool = False, given_a: tuple | None = None,
-               state_solves: bool = False) -> ChunkPass:
+               chunk_maxnreg: int | None, keep_a: bool = False, given_a: tuple | None = None) -> ChunkPass:
     """Launch the chunk kernel on contiguous, checked inputs (see :func:`kda_fp32_fwd`). ``keep_a``:
     also store A⁻¹ and the k̂–k̂ products (``AI``); ``given_a``: (Aqk, AI) of an earlier call on the
-    same inputs, which the kernel then reads instead of recomputing them; ``state_solves``: leave w and
-    u to the state pass (the forward's; the backward's state pass and kernels read w and u)."""
-    if state_solves and given_a is not None:
-        raise ValueError("kda_fp32: state_solves is for the forward, which computes A itself")
+    same inputs, which the kernel then reads instead of recomputing them."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -654,25 +638,24 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
                              f"{tuple(aqk.shape)} and {tuple(ai.shape)}")
     else:
         aqk = torch.empty(S, H, CHUNK, CHUNK, **f32)
-        ai = torch.empty(S if keep_a or state_solves else 0, H, 2, CHUNK, CHUNK, **f32)
+        ai = torch.empty(S if keep_a else 0, H, 2, CHUNK, CHUNK, **f32)
     cp = ChunkPass(
         N=N, H=H, K=K, V=V, BK=BK, BV=BV, BKB=min(BK, block_k), BVB=min(BV, block_k), BVT=min(BV, block_v),
         n_slots=n_slots, cu=cu, chunk_map=chunk_map, first_slot=first_slot,
         QG=torch.empty(S, H, CHUNK, BK, **f32), KGT=torch.empty(S, H, BK, CHUNK, **f32),
-        W=torch.empty(S, H, CHUNK, BK, **f32), U=torch.empty(0 if state_solves else S, H, CHUNK, BV, **f32),
-        AQK=aqk, DEC=torch.empty(S, H, BK, **f32), AI=ai, NRM=torch.empty(S, H, 2, CHUNK, **f32),
-        v=v, beta=beta, state_solves=state_solves)
+        W=torch.empty(S, H, CHUNK, BK, **f32), U=torch.empty(S, H, CHUNK, BV, **f32),
+        AQK=aqk, DEC=torch.empty(S, H, BK, **f32), AI=ai, NRM=torch.empty(S, H, 2, CHUNK, **f32))
     if n_slots > 0 and H > 0:
         load_a = given_a is not None
         # per (slot, head): 1 where the chunk's whole-chunk factors may exceed e^SPAN (not used when reading A)
         flag = torch.empty(0 if load_a else S, H, device=dev, dtype=torch.int32)
         for blocks in (False,) if load_a else (False, True):
             _chunk_kernel[(n_slots, H)](
-                q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U if cp.U.numel() else cp.W, cp.AQK, cp.DEC,
+                q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC,
                 ai if ai.numel() else aqk, cp.NRM, flag if flag.numel() else aqk, float(scale),
                 H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN,
-                STORE_A=keep_a and not load_a, LOAD_A=load_a, BLOCKS=blocks, STATE_SOLVES=state_solves,
-                num_warps=warps, num_stages=CHUNK_STAGES, maxnreg=chunk_maxnreg)  # (AI, FLAG, U: touched if used)
+                STORE_A=keep_a and not load_a, LOAD_A=load_a, BLOCKS=blocks, num_warps=warps,
+                num_stages=CHUNK_STAGES, maxnreg=chunk_maxnreg)  # (AI, FLAG are not touched unless used)
     return cp
 
 
@@ -682,17 +665,15 @@ def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_outp
     if cp.N > 0 and cp.H > 0:
         h0 = initial_state.contiguous() if initial_state is not None else final
         _state_kernel[(cp.BV // cp.BVT, cp.H, cp.N)](
-            cp.QG, cp.KGT, cp.W, cp.U if cp.U.numel() else cp.W, cp.AQK, cp.DEC, cp.AI if cp.AI.numel() else cp.W,
-            cp.v, cp.beta, final if o is None else o, h0, final, cp.cu, cp.first_slot,
+            cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, final if o is None else o, h0, final, cp.cu, cp.first_slot,
             final if HS is None else HS, final if VN is None else VN,
             H=cp.H, K=cp.K, V=cp.V, BK=cp.BK, BV=cp.BV, BVT=cp.BVT, HAS_H0=initial_state is not None,
-            SPLIT=split_output, STATE_SOLVES=cp.state_solves, num_warps=warps, num_stages=STATE_STAGES)
+            SPLIT=split_output, num_warps=warps, num_stages=STATE_STAGES)
 
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
                  block_k: int = 32, block_v: int = 64, warps: tuple[int, int] = (4, 4),
-                 chunk_maxnreg: int | None = 168, split_output: bool = False, keep_a: bool = False,
-                 state_solves: bool = False):
+                 chunk_maxnreg: int | None = 168, split_output: bool = False, keep_a: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16 (read as they are, converted to FP32 on load),
@@ -718,7 +699,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     o = torch.empty(v.shape, device=v.device, dtype=v.dtype)  # stored in v's dtype by the state kernel
     q, k, v, g, beta = contiguous_inputs(q, k, v, g, beta)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
-                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a, state_solves=state_solves)
+                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a)
     final = torch.empty(cp.N, cp.H, cp.K, cp.V, device=q.device, dtype=torch.float32)
     kept = (cp.AQK, cp.AI) if keep_a else ()
     if not split_output:
@@ -726,7 +707,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
         return (o, final, *kept)
     f32 = dict(device=q.device, dtype=torch.float32)
     HS = torch.empty(cp.QG.shape[0], cp.H, cp.BK, cp.BV, **f32)
-    VN = torch.empty(cp.QG.shape[0], cp.H, CHUNK, cp.BV, **f32)
+    VN = torch.empty_like(cp.U)
     state_pass(cp, o, initial_state, final, warps=warps[1], split_output=True, HS=HS, VN=VN)
     if cp.n_slots > 0 and cp.H > 0:
         _output_kernel[(cp.n_slots, cp.H, cp.BV // cp.BVT)](
