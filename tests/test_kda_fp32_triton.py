@@ -414,6 +414,13 @@ def test_rejects_a_register_cap_outside_32_to_255(maxnreg):
     with pytest.raises(ValueError, match="chunk_maxnreg must be None or 32..255"):
         kda_fp32_fwd(q, q, q, q, torch.zeros(1, 4, 1), 0.1, None, None, chunk_maxnreg=maxnreg)
 
+
+@pytest.mark.parametrize("knob", ["chunk_bwd_maxnreg", "chunk_bwd_wy_maxnreg"])
+def test_bwd_rejects_a_register_cap_outside_32_to_255(knob):
+    q = torch.zeros(1, 4, 1, 32)
+    with pytest.raises(ValueError, match=f"{knob} must be None or 32..255"):
+        kda_fp32_bwd(q, q, q, q, torch.zeros(1, 4, 1), 0.1, None, None, q, **{knob: 256})
+
 # ---------------------------------------------------------------------------------------------
 # H200
 # ---------------------------------------------------------------------------------------------

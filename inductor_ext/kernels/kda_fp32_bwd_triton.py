@@ -66,10 +66,6 @@ STATE_BWD_STAGES = 1
 # kernel's is, 3 deep (its V loop's loads of HS, dh', do and v_new in flight: 8.57 / 7.47 / 7.36 ms at 1 / 2 / 3)
 CHUNK_BWD_WY_STAGES = 1
 CHUNK_BWD_STAGES = 3
-# the WY backward's register cap: on BF16 v, beta, do or dv ptxas takes it from 168 to 174-210 registers (sm_90),
-# one program per SM fewer; capped it keeps 168 with at most 8 bytes of spills. H200, same size, BF16 inputs:
-# 2901 against 3579 us
-CHUNK_BWD_WY_MAXNREG = 168
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,20 +400,23 @@ def _chunk_bwd_finish_kernel(q, k, chunk_map, cu, NRM, DQK, DGC, DB0, SUMS, dq, 
 
 def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=None, *,
                  block_k: int = 32, block_v: int = 32, warps: tuple[int, int, int, int] = (4, 4, 4, 4),
-                 chunk_maxnreg: int | None = 168, chunk_bwd_maxnreg: int | None = None, given_a: tuple | None = None):
+                 chunk_maxnreg: int | None = 168, chunk_bwd_maxnreg: int | None = None,
+                 chunk_bwd_wy_maxnreg: int | None = 168, given_a: tuple | None = None):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of ``kda_fp32_fwd(q, k, v, g, beta, scale,
     initial_state, cu_seqlens)`` for the cotangents ``do`` (o's shape, any float dtype) and
     ``dht`` (FP32 ``[N,H,K,V]`` or None: zero). Each gradient in its input's dtype, dh0 FP32 (zeros'
     gradient when there is no initial state). Inputs as for ``kda_fp32_fwd``; ``warps`` per kernel
     (chunk, state, state backward, the two chunk-gradient kernels), ``chunk_bwd_maxnreg`` the register
-    cap of the per-slice chunk-gradient kernel, the other knobs as there. ``block_v`` 32 by default
+    cap of the per-slice chunk-gradient kernel, ``chunk_bwd_wy_maxnreg`` the WY backward's (168: on BF16 v,
+    beta, do or dv ptxas would take it to 174-210 registers on sm_90, one program per SM fewer; H200, same
+    size, BF16 inputs: 2901 against 3579 us), the other knobs as there. ``block_v`` 32 by default
     (H200, T = 16384, H = 64, K = V = 128: state pass 1.31 / backward state pass 2.91 ms against
     1.51 / 3.96 at 64).
     ``given_a``: the (Aqk, AI) that ``kda_fp32_fwd(..., keep_a=True)`` returned for these inputs;
     the chunk kernel then skips the decay products and the inverse."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_blocks("kda_fp32_bwd", block_k, block_v, chunk_maxnreg=chunk_maxnreg,
-                  chunk_bwd_maxnreg=chunk_bwd_maxnreg)
+                  chunk_bwd_maxnreg=chunk_bwd_maxnreg, chunk_bwd_wy_maxnreg=chunk_bwd_wy_maxnreg)
     if do.shape != v.shape:
         raise ValueError(f"kda_fp32_bwd: do must have o's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     # the gradients in their inputs' dtypes: the kernels store them so, no conversion pass on BF16 inputs
@@ -453,7 +452,7 @@ def kda_fp32_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht=Non
         _chunk_bwd_wy_kernel[(cp.n_slots, H)](
             v, beta, do, cp.chunk_map, cp.cu, cp.W, cp.U, cp.AI, HS, VN, DVN, DP, DBW, DB0, dv, float(scale),
             V=V, BV=BV, BVB=cp.BVB, **geometry, num_warps=warps[3], num_stages=CHUNK_BWD_WY_STAGES,
-            maxnreg=CHUNK_BWD_WY_MAXNREG)
+            maxnreg=chunk_bwd_wy_maxnreg)
         _chunk_bwd_kernel[(cp.n_slots, H, NKB)](
             q, k, g, beta, do, cp.chunk_map, cp.cu, HS, DHS, VN, cp.NRM, DP, DBW, DQK, DGC, SUMS, FLAG,
             float(scale), K=K, V=V, BV=BV, BVB=cp.BVB, SPAN=kda_fp32_triton.SPAN, **geometry,

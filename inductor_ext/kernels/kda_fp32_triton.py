@@ -10,7 +10,8 @@ Two kernels, no host synchronisation (the chunk list has the static length ``cei
 when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
 
 1. ``_chunk_kernel``, one program per (chunk slot, head), fully parallel. Reads q, k, g, beta, v (q
-   and k a second time, from cache, after their norms) and writes, chunk-major FP32:
+   and k a second time after their norms, g a second time after the Σ|g| bound below) and writes,
+   chunk-major FP32:
    ``qg = scale·q̂·e^{gc}``, ``kgᵀ = (k̂·e^{gc_last-gc})ᵀ``, ``Aqk`` (scale·masked q̂–k̂ decay products),
    ``w = A⁻¹(β k̂ e^{gc})``, ``u = A⁻¹(β v)`` with ``A = I + strict_lower(β_i k̂_i·k̂_j e^{gc_i-gc_j})``,
    and ``e^{gc_last}`` per chunk.
@@ -57,7 +58,7 @@ import triton.language as tl
 
 from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_count, chunk_slots
 
-__all__ = ["kda_fp32_fwd", "contiguous_inputs", "MAX_DIM", "SPAN"]
+__all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
 
 MAX_DIM = FP32_KERNEL_MAX_DIM  # head dims K, V
 # the state pass's loop over chunks keeps the loads of 2 chunks in flight (cp.async into shared memory:
