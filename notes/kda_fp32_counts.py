@@ -3,8 +3,8 @@ K = V = 128, 64-token chunks, FP32 intermediates; inputs q, k, v, beta, do and t
 dbeta in FP32 or BF16 (g and dg stay FP32); times at T = 16384, H = 64 (16384 pairs) for 395 TFLOP/s TF32
 (three MMAs per _dot3) and 4.3 TB/s. Re-reads of the same tile by several programs (the state pass's
 two V-block programs, K4b's four K-slices) are counted as HBM bytes: L2 hits are not separated. Prints
-the tables of notes/kda-fp32-kernels.md, session 14 (the backward's rows as in session 13, which had
-FP32 inputs only; session 12: a two-pass finish kernel; session 11: one chunk-gradient kernel)."""
+the tables of notes/kda-fp32-kernels.md, session 15 (session 14: the solve inside the chunk kernel;
+session 13: FP32 inputs only; session 12: a two-pass finish kernel; session 11: one chunk-gradient kernel)."""
 C, K, V = 64, 128, 128
 S = 4  # K-slices of 32 keys
 V_BLOCKS = 2  # forward state-pass programs per head (block_v 64)
@@ -15,20 +15,23 @@ def tile(r, c):
 
 
 # stage: (MACs, FP32 elements read, input elements read, FP32 elements written, input-dtype elements written)
+# the solve kernel: A⁻¹ read by each of its four 64-column programs (L2 hits not separated), the
+# right-hand side βk̂e^{gc} read and overwritten by w, v and beta read (beta by the two u programs), u written
+SOLVE = (C * C * (K + V), tile(C, K) + 4 * tile(C, C), tile(C, V) + 2 * C, tile(C, K) + tile(C, V), 0)
 FORWARD = {
-    # first launch, keeping A: Σ|g| bound (g read once more), norms and slices (q, k, g, v, beta), the
-    # right-hand side βk̂e^{gc} stored then re-read and overwritten by w; qg, kgᵀ, u, Aqk, A⁻¹ and the
-    # k̂–k̂ products, e^{gc_last}, the norms; decay products 2·C·C·K and the solve C·C·(K + V) MACs
-    # (the inverse's elimination, about 0.2 M more, is not counted)
-    "K1 chunk kernel, keeping A": (2 * C * C * K + C * C * (K + V), 2 * tile(C, K) + tile(C, K), 3 * tile(C, K) + C,
-                                   5 * tile(C, K) + 3 * tile(C, C) + K + 2 * C, 0),
+    # both launches, keeping A: Σ|g| bound (g read once more), norms and slices (q, k, g, beta); qg, kgᵀ,
+    # the right-hand side βk̂e^{gc}, Aqk, A⁻¹ and the k̂–k̂ products, e^{gc_last}, the norms; decay
+    # products 2·C·C·K MACs (the inverse's elimination, about 0.2 M more, is not counted)
+    "K1 chunk kernel, keeping A": (2 * C * C * K, 2 * tile(C, K), 2 * tile(C, K) + C,
+                                   3 * tile(C, K) + 3 * tile(C, C) + K + 2 * C, 0),
+    "K1b solve kernel (w, u)": SOLVE,
     "K2 state pass with o (two V-block programs)": (3 * C * K * V + C * C * V,
                                                     V_BLOCKS * (3 * tile(C, K) + tile(C, C) + K) + tile(C, V), 0,
                                                     0, tile(C, V)),
 }
 BACKWARD = {
-    "K1 kept A (qg, kgT, w, u)": (2 * C * C * K, tile(C, K) + tile(C, C), 3 * tile(C, K) + C,
-                                  4 * tile(C, K) + K + 2 * C, 0),
+    "K1 kept A (qg, kgT, w's right-hand side)": (0, tile(C, K), 2 * tile(C, K) + C, 3 * tile(C, K) + K + 2 * C, 0),
+    "K1b solve kernel (w, u)": SOLVE,
     "K2 state pass, split": (2 * C * K * V, tile(C, K) * 2 + tile(C, V) + K, 0, tile(K, V) + tile(C, V), 0),
     "K3 state pass backwards": (C * C * V + 3 * C * K * V, tile(C, C) + tile(K, C) + 2 * tile(C, K) + K,
                                 tile(C, V), tile(K, V) + tile(C, V), 0),

@@ -6,14 +6,14 @@ Same semantics as the forward of ``glm53::kda_chunk(..., precision="fp32")`` (``
 per-key natural-log decay (≤ 0) accumulated inside 64-token chunks that restart at every document
 start, beta per (token, head), o in v's dtype, final state FP32 ``[N,H,K,V]``. K, V ≤ 128.
 
-Two kernels, no host synchronisation (the chunk list has the static length ``ceil(T/64) + N - 1``
+Three kernels, no host synchronisation (the chunk list has the static length ``ceil(T/64) + N - 1``
 when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
 
-1. ``_chunk_kernel``, one program per (chunk slot, head), fully parallel. Reads q, k, g, beta, v (q
+1. ``_chunk_kernel``, one program per (chunk slot, head), fully parallel. Reads q, k, g, beta (q
    and k a second time after their norms, g a second time after the Σ|g| bound below) and writes,
    chunk-major FP32:
    ``qg = scale·q̂·e^{gc}``, ``kgᵀ = (k̂·e^{gc_last-gc})ᵀ``, ``Aqk`` (scale·masked q̂–k̂ decay products),
-   ``w = A⁻¹(β k̂ e^{gc})``, ``u = A⁻¹(β v)`` with ``A = I + strict_lower(β_i k̂_i·k̂_j e^{gc_i-gc_j})``,
+   ``A⁻¹`` with ``A = I + strict_lower(β_i k̂_i·k̂_j e^{gc_i-gc_j})``, w's right-hand side ``β k̂ e^{gc}``
    and ``e^{gc_last}`` per chunk.
    Aqk and A come from tensor-core dots over each K-slice, the decay split into two factors at a
    reference row r of the chunk cumulative gate: ``(x_i e^{gc_i - gc_r})·(k̂_j e^{gc_r - gc_j})``.
@@ -35,17 +35,22 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
    A⁻¹: the four 16×16 diagonal blocks are inverted together by a 15-step row sweep ([4,16,16]
    tiles, FP32 elementwise), then block forward elimination builds the four 16-row blocks of A⁻¹
    with small dots.
-2. ``_state_kernel``, one program per (V-block, head, document), sequential over the document's
+2. ``_solve_kernel``, one program per (64 columns, chunk slot, head): ``w = A⁻¹(β k̂ e^{gc})`` in
+   place of its right-hand side and ``u = A⁻¹(β v)``, by :func:`_dot3t`. H200, T = 16384, H = 64,
+   K = V = 128, BF16 inputs: the chunk kernel's solve took about 1 ms of its 4.15; on its own,
+   chunk kernel 3.17 ms + this kernel 0.80 ms, forward 6558 -> 6339 us (session 15).
+3. ``_state_kernel``, one program per (V-block, head, document), sequential over the document's
    chunks with the state ``[K, BV]`` in registers (as 64-row tiles, so no dot operand exceeds
    [64, 64]): ``v_new = u - w·h``, ``o = qg·h + Aqk·v_new`` (stored in v's dtype),
    ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global memory.
 
-Dot precisions: every dot is ``_dot3`` (hi/lo split, three TF32 MMAs, FP32-grade products at
-tensor-core speed): Triton's ``tf32x3`` arithmetic with a cheaper split and no NaN mask, bitwise
-the same results on the H200, ``_chunk_kernel`` 6.97 -> 6.2 ms and ``_state_kernel`` 2.76 -> 2.70 ms
-at T=16384, H=64, K=V=128; the 16×16 diagonal sweep is elementwise FP32. tf32x3 instead of IEEE
-elimination dots took ``_chunk_kernel`` from 9.3 to 8.5 ms at unchanged test accuracy; two other
-forms of the solve measured slower and were reverted (``notes/kda-fp32-kernels.md``, sessions 5, 10).
+Dot precisions: every dot is ``_dot3`` (the solve's as :func:`_dot3t`, the same products; hi/lo split,
+three TF32 MMAs, FP32-grade products at tensor-core speed): Triton's ``tf32x3`` arithmetic with a
+cheaper split and no NaN mask, bitwise the same results on the H200, ``_chunk_kernel`` 6.97 -> 6.2 ms
+and ``_state_kernel`` 2.76 -> 2.70 ms at T=16384, H=64, K=V=128; the 16×16 diagonal sweep is elementwise
+FP32. tf32x3 instead of IEEE elimination dots took ``_chunk_kernel`` from 9.3 to 8.5 ms at unchanged
+test accuracy; two other forms of the solve measured slower and were reverted
+(``notes/kda-fp32-kernels.md``, sessions 5, 10).
 """
 
 from __future__ import annotations
@@ -69,6 +74,10 @@ STATE_STAGES = 2
 # the chunk kernel's loops are not software-pipelined: H200, same size, 4.61 ms at 1 stage against 4.96 at
 # Triton's default 3 (5.05 at 2) keeping A, and 2.10 against 2.24 ms reading it (the backward's call)
 CHUNK_STAGES = 1
+# columns of w and u per _solve_kernel program. H200, T = 16384, H = 64, K = V = 128, FP32, with _dot3
+# (before _dot3t): 1151 us at 64, 1079 at 32, 1596 at 128; 2 or 4 blocks of 64 per program 1092 / 1148
+# (4 software-pipelined at 2 stages: 1054)
+SOLVE_COLUMNS = 64
 # Largest exponent a factor of the blocked Aqk / A dots may carry (e^42 ≈ 1.7e18): the products of
 # masked-out pairs (up to e^84 · Σ|q̂||k̂| ≤ e^84) stay finite and the low TF32 half of the smaller
 # factor of any product ≥ 1e-12 stays a normal FP32 number. A 16-column block (8 rows either side of
@@ -98,6 +107,17 @@ def _dot3(a, b):
     out = tl.dot(a_lo, b_hi, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), input_precision="tf32")
     out = tl.dot(a_hi, b_lo, out, input_precision="tf32")
     return tl.dot(a_hi, b_hi, out, input_precision="tf32")
+
+
+@triton.jit
+def _dot3t(a, b):
+    """:func:`_dot3` computed as (bᵀ·aᵀ)ᵀ. The tensor cores read their second operand from shared
+    memory, K-major for TF32: staged from a row-major tile that takes one scalar (transposing) store
+    per element, from the transposed first operand aᵀ vector stores. For tiles loaded from memory:
+    H200, ``notes/dot3_probe.py``, 1040 -> 622 us (the kernel's no-dot floor: 599). On operands that
+    other dots produced or that stay live, the extra layout conversions cost more than that (session 15:
+    the chunk kernel's own solve 4.0 -> 5.0 ms, the state pass 2.4 -> 3.5 ms)."""
+    return tl.trans(_dot3(tl.trans(b), tl.trans(a)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,30 +340,13 @@ def _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK: tl
 
 
 @triton.jit
-def _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H: tl.constexpr, V: tl.constexpr,
-           BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, BVB: tl.constexpr):
-    """w = A⁻¹ (β k̂ e^{gc}) in place of its right-hand side in W, and u = A⁻¹ (β v)."""
-    tl.debug_barrier()  # the right-hand side in W was stored by other threads of this program
-    for kb in range(BK // BKB):
-        c = kb * BKB + tl.arange(0, BKB)
-        t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
-        tl.store(W + t_off, _dot3(ainv, tl.load(W + t_off)))
-    for vb in range(BV // BVB):
-        c = vb * BVB + tl.arange(0, BVB)
-        m = rows[:, None] & (c < V)[None, :]
-        vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + c[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(U + slot * (64 * BV) + r[:, None] * BV + c[None, :],
-                 _dot3(ainv, vx * b[:, None]))
-
-
-@triton.jit
-def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, NRM, FLAG, scale,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BKB: tl.constexpr, BVB: tl.constexpr, EPS: tl.constexpr, SPAN: tl.constexpr,
-                  STORE_A: tl.constexpr, LOAD_A: tl.constexpr, BLOCKS: tl.constexpr):
-    # AI: per slot A⁻¹ then the k̂–k̂ products (no β, j < i), [2, 64, 64]; STORE_A: store them (the
-    # backward reads them); LOAD_A: Aqk and AI hold a previous call's results: skip the decay
-    # products and the inverse, recompute only qg, kgᵀ, w, u and e^{gc_last}. Otherwise two launches:
+def _chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, FLAG, scale,
+                  H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr, EPS: tl.constexpr,
+                  SPAN: tl.constexpr, STORE_A: tl.constexpr, LOAD_A: tl.constexpr, BLOCKS: tl.constexpr):
+    # AI: per slot A⁻¹, then with STORE_A the k̂–k̂ products (no β, j < i; the backward reads them);
+    # W gets the right-hand side β k̂ e^{gc} of w, which _solve_kernel turns into w. LOAD_A: Aqk and
+    # AI hold a previous call's results: skip the decay products and the inverse, recompute only qg,
+    # kgᵀ, w's right-hand side and e^{gc_last}. Otherwise two launches:
     # without BLOCKS a program computes its chunk if _chunk_span clears it for the whole-chunk factors
     # and flags it in FLAG if not; with BLOCKS a program computes only a flagged chunk
     i_h = tl.program_id(1)
@@ -371,23 +374,41 @@ def _chunk_kernel(q, k, v, g, beta, chunk_map, cu, QG, KGT, W, U, AQK, DEC, AI, 
         if not LOAD_A:
             acc_q, acc_k = _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB, SPAN, BLOCKS)
 
-    c64 = tl.arange(0, 64)
-    p_ai = AI + slot * 8192 + r[:, None] * 64 + c64[None, :]
-    if LOAD_A:
-        ainv = tl.load(p_ai)
-    else:
+    if not LOAD_A:
         # masked: scale·Aqk (j ≤ i), and A − I = β_i·(k̂–k̂ products) (j < i), whose products the
         # backward reads for dβ (STORE_A)
+        c64 = tl.arange(0, 64)
+        p_ai = AI + slot * (8192 if STORE_A else 4096) + r[:, None] * 64 + c64[None, :]
         tl.store(AQK + slot * 4096 + r[:, None] * 64 + c64[None, :],
                  tl.where(r[:, None] >= c64[None, :], acc_q * scale, 0.0))
         akk = tl.where(r[:, None] > c64[None, :], acc_k, 0.0)
         if STORE_A:
             tl.store(p_ai + 4096, akk)
-        ainv = _inverse(akk * b[:, None], r)
-        if STORE_A:
-            tl.store(p_ai, ainv)
-    # pass 2: w = A⁻¹ (β k̂ e^{gc}), u = A⁻¹ (β v)
-    _solve(ainv, r, rows, tok, b, v, W, U, slot, i_h, H, V, BK, BV, BKB, BVB)
+        tl.store(p_ai, _inverse(akk * b[:, None], r))
+
+
+@triton.jit
+def _solve_kernel(v, beta, chunk_map, cu, W, U, AI, H: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, BC: tl.constexpr, AIS: tl.constexpr):
+    # one program per (BC-column block, chunk slot, head), the blocks of a slot adjacent so that they
+    # share its A⁻¹ (AIS floats per slot in AI) in L2: the K columns of w = A⁻¹ (β k̂ e^{gc}), in
+    # place of its right-hand side in W, then the V columns of u = A⁻¹ (β v)
+    NK: tl.constexpr = BK // BC
+    NB: tl.constexpr = NK + BV // BC
+    i_h = tl.program_id(1)
+    i_c = tl.program_id(0) % NB
+    r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0) // NB, i_h, H)
+    ainv = tl.load(AI + slot * AIS + r[:, None] * 64 + tl.arange(0, 64)[None, :])
+    if i_c < NK:
+        c = i_c * BC + tl.arange(0, BC)
+        t_off = slot * (64 * BK) + r[:, None] * BK + c[None, :]
+        tl.store(W + t_off, _dot3t(ainv, tl.load(W + t_off)))
+    else:
+        c = (i_c - NK) * BC + tl.arange(0, BC)
+        m = rows[:, None] & (c < V)[None, :]
+        b = tl.load(beta + tok * H + i_h, mask=rows, other=0.0).to(tl.float32)
+        vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + c[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(U + slot * (64 * BV) + r[:, None] * BV + c[None, :], _dot3t(ainv, vx * b[:, None]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,7 +611,7 @@ class ChunkPass:
     U: torch.Tensor
     AQK: torch.Tensor
     DEC: torch.Tensor
-    AI: torch.Tensor  # per slot A⁻¹ and the k̂–k̂ products (no β), [slot, H, 2, 64, 64] (empty unless kept)
+    AI: torch.Tensor  # per slot A⁻¹, then (kept) the k̂–k̂ products (no β): [slot, H, 1 or 2 (kept), 64, 64]
     NRM: torch.Tensor  # per slot 1/‖q‖ and 1/‖k‖ of each row, [slot, H, 2, 64]
 
 
@@ -639,7 +660,7 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
                              f"{tuple(aqk.shape)} and {tuple(ai.shape)}")
     else:
         aqk = torch.empty(S, H, CHUNK, CHUNK, **f32)
-        ai = torch.empty(S if keep_a else 0, H, 2, CHUNK, CHUNK, **f32)
+        ai = torch.empty(S, H, 2 if keep_a else 1, CHUNK, CHUNK, **f32)
     cp = ChunkPass(
         N=N, H=H, K=K, V=V, BK=BK, BV=BV, BKB=min(BK, block_k), BVB=min(BV, block_k), BVT=min(BV, block_v),
         n_slots=n_slots, cu=cu, chunk_map=chunk_map, first_slot=first_slot,
@@ -652,11 +673,13 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
         flag = torch.empty(0 if load_a else S, H, device=dev, dtype=torch.int32)
         for blocks in (False,) if load_a else (False, True):
             _chunk_kernel[(n_slots, H)](
-                q, k, v, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC,
-                ai if ai.numel() else aqk, cp.NRM, flag if flag.numel() else aqk, float(scale),
-                H=H, K=K, V=V, BK=BK, BV=BV, BKB=cp.BKB, BVB=cp.BVB, EPS=L2_EPS, SPAN=SPAN,
+                q, k, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.AQK, cp.DEC, ai, cp.NRM,
+                flag if flag.numel() else aqk, float(scale), H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=SPAN,
                 STORE_A=keep_a and not load_a, LOAD_A=load_a, BLOCKS=blocks, num_warps=warps,
-                num_stages=CHUNK_STAGES, maxnreg=chunk_maxnreg)  # (AI, FLAG are not touched unless used)
+                num_stages=CHUNK_STAGES, maxnreg=chunk_maxnreg)  # (FLAG is not touched unless used)
+        BC = min(SOLVE_COLUMNS, BK, BV)
+        _solve_kernel[(n_slots * ((BK + BV) // BC), H)](
+            v, beta, chunk_map, cu, cp.W, cp.U, ai, H=H, V=V, BK=BK, BV=BV, BC=BC, AIS=ai.stride(1), num_warps=warps)
     return cp
 
 
@@ -682,7 +705,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     optional FP32 initial_state ``[N,H,K,V]``, optional int64 cu_seqlens ``[N+1]`` (then B = 1).
     Returns (o in v's dtype ``[B,T,H,V]``, final state FP32 ``[N,H,K,V]``). Tuning knobs, not
     semantics: ``block_k`` (K and V columns per step of the chunk kernel's loops), ``block_v`` (V
-    columns per state-pass program) and ``warps`` (chunk kernel, state kernel). On the H200 (triton
+    columns per state-pass program) and ``warps`` (chunk and solve kernels, state kernel). On the H200 (triton
     3.6) 8 warps in the chunk kernel fault with an illegal memory access at T=2048, H=64 (two
     warpgroups on M=64 tf32x3 dots, n8 wgmma; not retried with ``_dot3``); 4 warps run (see
     ``notes/kda-fp32-kernels.md``).
