@@ -12,10 +12,11 @@ products ``Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}`` (the forward's factors: whole 
 check passes, else 16-column blocks, else exact), the FP64 chunk cumulative gate (a reverse cumsum)
 and the L2 norms.
 
-Seven launches, no host synchronisation:
+Seven steps, no host synchronisation:
 
-1. the forward's ``_chunk_kernel``, which also stores A⁻¹, the k̂–k̂ products and the rows' inverse
-   norms, or, given A⁻¹ and Aqk from the forward (``given_a``), only recomputes qg, kgᵀ, w, u;
+1. the forward's ``_chunk_kernel`` (two launches) and ``_solve_kernel``, which also store A⁻¹, the
+   k̂–k̂ products and the rows' inverse norms, or, given A⁻¹ and Aqk from the forward (``given_a``),
+   only recompute qg, kgᵀ, w, u (the chunk kernel then in one launch);
 2. the forward's ``_state_kernel`` with ``SPLIT``: the state entering every chunk and v_new;
 3. ``_state_bwd_kernel``, one program per (V block, head, document), backwards over chunks with dh
    in registers: stores dv_new and the dh' of every chunk, and dh0;
@@ -29,7 +30,7 @@ Seven launches, no host synchronisation:
 7. ``_chunk_bwd_finish_kernel``, one program per (chunk, head), one pass: dg (reverse cumsum), dq
    and dk (through the L2 norms), dβ.
 
-Every dot is ``_dot3`` (three TF32 MMAs on split operands). Scratch at T = 16384, H = 64, K = V = 128:
+Every dot here is ``_dot3`` (three TF32 MMAs on split operands). Scratch at T = 16384, H = 64, K = V = 128:
 about 9 GB of FP32 intermediates. H200 times and the versions tried: ``notes/kda-fp32-kernels.md``.
 """
 

@@ -589,8 +589,8 @@ def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Ten
 
 @dataclasses.dataclass
 class ChunkPass:
-    """What the chunk kernel leaves for the state passes: the chunk list, the chunk-major FP32
-    intermediates ``[slot, H, ...]`` and the launch geometry."""
+    """What the chunk and solve kernels leave for the state passes: the chunk list, the chunk-major
+    FP32 intermediates ``[slot, H, ...]`` and the launch geometry."""
 
     N: int
     H: int
@@ -636,9 +636,9 @@ def _check_blocks(name: str, block_k: int, block_v: int, **maxnregs: int | None)
 
 def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: int, warps: int,
                chunk_maxnreg: int | None, keep_a: bool = False, given_a: tuple | None = None) -> ChunkPass:
-    """Launch the chunk kernel on contiguous, checked inputs (see :func:`kda_fp32_fwd`). ``keep_a``:
-    also store A⁻¹ and the k̂–k̂ products (``AI``); ``given_a``: (Aqk, AI) of an earlier call on the
-    same inputs, which the kernel then reads instead of recomputing them."""
+    """Launch the chunk kernel (twice) and the solve kernel on contiguous, checked inputs (see
+    :func:`kda_fp32_fwd`). ``keep_a``: keep the k̂–k̂ products in ``AI`` beside A⁻¹; ``given_a``: (Aqk,
+    AI) of an earlier call on the same inputs, which the chunk kernel then does not recompute."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
