@@ -111,9 +111,9 @@ def _dot3(a, b):
 
 @triton.jit
 def _dot3t(a, b):
-    """:func:`_dot3` computed as (bᵀ·aᵀ)ᵀ. The tensor cores read their second operand from shared
-    memory, K-major for TF32: staged from a row-major tile that takes one scalar (transposing) store
-    per element, from the transposed first operand aᵀ vector stores. For tiles loaded from memory:
+    """:func:`_dot3` computed as (bᵀ·aᵀ)ᵀ: the same products. TF32 tensor cores read their second
+    operand K-major from shared memory. Staging a row-major b there takes one scalar (transposing)
+    store per element; staging aᵀ, for a row-major a, takes vector stores. For tiles loaded from memory:
     H200, ``notes/dot3_probe.py``, 1040 -> 622 us (the kernel's no-dot floor: 599). On operands that
     other dots produced or that stay live, the extra layout conversions cost more than that (session 15:
     the chunk kernel's own solve 4.0 -> 5.0 ms, the state pass 2.4 -> 3.5 ms)."""
@@ -346,9 +346,9 @@ def _chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, F
     # AI: per slot A⁻¹, then with STORE_A the k̂–k̂ products (no β, j < i; the backward reads them);
     # W gets the right-hand side β k̂ e^{gc} of w, which _solve_kernel turns into w. LOAD_A: Aqk and
     # AI hold a previous call's results: skip the decay products and the inverse, recompute only qg,
-    # kgᵀ, w's right-hand side and e^{gc_last}. Otherwise two launches:
-    # without BLOCKS a program computes its chunk if _chunk_span clears it for the whole-chunk factors
-    # and flags it in FLAG if not; with BLOCKS a program computes only a flagged chunk
+    # kgᵀ, w's right-hand side and e^{gc_last}. Otherwise two launches: without BLOCKS a program
+    # computes its chunk if _chunk_span clears it for the whole-chunk factors and flags it in FLAG if
+    # not; with BLOCKS a program computes only a flagged chunk
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
     if not LOAD_A:
