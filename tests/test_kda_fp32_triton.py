@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from inductor_ext.kernels import kda_fp32_triton  # noqa: E402
+from inductor_ext.kernels import kda_fp32_gluon, kda_fp32_triton  # noqa: E402
 from inductor_ext.kernels.kda_fp32_bwd_triton import kda_fp32_bwd  # noqa: E402
 from inductor_ext.kernels.kda_fp32_triton import kda_fp32_fwd  # noqa: E402
 from tests.kda_fp64 import (TOL, Case, assert_rel_l2, make_inputs, recurrence_fp64, rel_l2, round_bf16,  # noqa: E402
@@ -451,6 +451,42 @@ def test_cuda_h64_k128_fp32_and_bf16_inputs(case, variant):
 @pytest.mark.parametrize("case", H200_CASES, ids=[c.name for c in H200_CASES])
 def test_cuda_bwd_h64_k128_grads_within_1e4_of_fp64_vjp(case):
     _check_grads(f"cuda bwd {case.name}", make_inputs(case, torch.float32, device="cuda"), TOL["fp32"]["grad"])
+
+
+GLUON_CASES = [
+    Case("packed-700-0-1-1348-initial-state", (700, 0, 1, 1348), heads=8, k_dim=128, v_dim=128, initial_state=True),
+    Case("packed-130-64-K96-V96-initial-state", (130, 64), heads=4, k_dim=96, v_dim=96, initial_state=True),
+    Case("T2048-K128-V64", (2048,), heads=4, k_dim=128, v_dim=64),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels run compiled only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", GLUON_CASES, ids=[c.name for c in GLUON_CASES])
+def test_cuda_gluon_state_pass_is_bitwise_the_triton_one(case, dtype, monkeypatch):
+    """On Hopper the forward's state pass is kda_fp32_gluon's kernel: the same products as the Triton
+    state kernel in the same order, so o and the final state are bitwise equal; empty, one-token and
+    partial documents, an initial state, K and V below 128."""
+    if not kda_fp32_gluon.usable(torch.device("cuda"), 128, 64, False):
+        pytest.skip("the Gluon state pass needs a Hopper GPU")
+    inputs = make_inputs(case, torch.float32, device="cuda")
+    inputs = {n: (x.to(dtype) if n in ("q", "k", "v", "beta") else x) for n, x in inputs.items()}
+    o, s = _run(inputs)
+    monkeypatch.setattr(kda_fp32_gluon, "usable", lambda *a: False)
+    o_ref, s_ref = _run(inputs)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref), (
+        f"o differs by {(o.double() - o_ref.double()).abs().max().item():.3e}, "
+        f"the final state by {(s - s_ref).abs().max().item():.3e}")
+
+
+@pytest.mark.parametrize("device, bk, bvt, split, expected", [
+    ("cpu", 128, 64, False, False), ("cuda", 64, 64, False, False), ("cuda", 128, 32, False, False),
+    ("cuda", 128, 64, True, False)])
+def test_gluon_state_pass_only_for_its_geometry(device, bk, bvt, split, expected):
+    """The Gluon kernel is chosen only for K in 65..128, 64 V columns per program and o wanted (and
+    only on Hopper); every other state pass is the Triton kernel's."""
+    assert kda_fp32_gluon.usable(torch.device(device), bk, bvt, split) is expected
 
 
 @pytest.mark.cuda

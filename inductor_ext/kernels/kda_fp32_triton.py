@@ -42,7 +42,9 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
 3. ``_state_kernel``, one program per (V-block, head, document), sequential over the document's
    chunks with the state ``[K, BV]`` in registers (as 64-row tiles, so no dot operand exceeds
    [64, 64]): ``v_new = u - w·h``, ``o = qg·h + Aqk·v_new`` (stored in v's dtype),
-   ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global memory.
+   ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global memory. On Hopper,
+   for the H200 geometry (K in 65..128, 64 V columns per program), ``kda_fp32_gluon``'s Gluon kernel
+   instead: the same products, bitwise, with asynchronous MMAs (session 16: 2354 -> 1767 us alone).
 
 Dot precisions: every dot is ``_dot3`` (the solve's as :func:`_dot3t`, the same products; hi/lo split,
 three TF32 MMAs, FP32-grade products at tensor-core speed): Triton's ``tf32x3`` arithmetic with a
@@ -61,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from inductor_ext.kernels import kda_fp32_gluon
 from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_count, chunk_slots
 
 __all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
@@ -685,8 +688,12 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
 
 def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_output: bool, HS=None, VN=None):
     """Launch the state kernel: o and the final state, or (``split_output``, o None) the final
-    state, the state entering every chunk into HS and v_new into VN."""
-    if cp.N > 0 and cp.H > 0:
+    state, the state entering every chunk into HS and v_new into VN. On Hopper, for K in 65..128 with
+    64 V columns per program and o wanted, the Gluon kernel of ``kda_fp32_gluon`` (the same results,
+    bitwise; H200, T = 16384, H = 64, K = V = 128: 1767 against 2354 us); ``warps`` is the Triton kernel's."""
+    if cp.N > 0 and cp.H > 0 and kda_fp32_gluon.usable(final.device, cp.BK, cp.BVT, split_output):
+        kda_fp32_gluon.state_pass_gluon(cp, o, initial_state, final)
+    elif cp.N > 0 and cp.H > 0:
         h0 = initial_state.contiguous() if initial_state is not None else final
         _state_kernel[(cp.BV // cp.BVT, cp.H, cp.N)](
             cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, final if o is None else o, h0, final, cp.cu, cp.first_slot,
