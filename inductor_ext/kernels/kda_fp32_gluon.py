@@ -3,10 +3,12 @@
 The same computation as ``kda_fp32_triton._state_kernel`` without ``SPLIT``, bitwise (the same three
 TF32 products per tile, summed in the same order): one program per (64 V columns, head, document),
 sequential over the document's chunks, per chunk ``v_new = u − w·h``, ``o = qg·h + Aqk·v_new`` (stored
-in o's dtype) and ``h ← e^{gc_last}·h + kgᵀ·v_new``, the state ``h`` ``[128, 64]`` FP32 across the loop.
-Written in Gluon because Triton runs every ``tl.dot`` of that loop synchronously and spills at 255
-registers (H200, T = 16384, H = 64, K = V = 128: the tensor cores 42 % busy at best, the spills
-missing L1 behind 196 KB of staged loads; ``notes/kda-fp32-kernels.md``, session 16). Here:
+in o's dtype) and ``h ← e^{gc_last}·h + kgᵀ·v_new``, the state ``h`` ``[128, 64]`` FP32 carried across the
+loop as its TF32 halves in shared memory.
+Written in Gluon because Triton waits for every ``tl.dot`` of that loop before the next instruction and
+spills at 255 registers: H200, T = 16384, H = 64, K = V = 128, Nsight Compute on the Triton kernel, 34 %
+of its stall samples wait for a warpgroup MMA to finish and its spills hit L1 6 % of the time (196 KB of
+staged loads leave little L1); ``notes/kda-fp32-kernels.md``, session 16. Here:
 
 - every operand tile (w, qg, kgᵀ in 64-column halves, u, Aqk) goes global -> shared memory by
   ``cp.async`` into a ring of four 64×64 slots, each refilled three tiles ahead of its use;
@@ -18,7 +20,9 @@ missing L1 behind 196 KB of staged loads; ``notes/kda-fp32-kernels.md``, session
 Only this geometry: K in 65..128 (the chunk kernel's BK = 128), 64 V columns per program, no
 ``split_output``; :func:`usable` says when, and ``kda_fp32_triton.state_pass`` takes the Triton
 kernel otherwise. Shared memory 160 KB, 8 warps (two warpgroups splitting the 64 V columns; at 4
-warps ptxas spills 304 bytes per thread).
+warps ptxas spills 304 bytes per thread). H200, same size, alone: 1758-1767 us against the Triton
+kernel's 2322-2354; the tensor cores are busy 42 % of the time (Nsight Compute), and the shared-memory
+queue is the next limit.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 __all__ = ["state_pass_gluon", "usable", "BK", "BVT", "WARPS"]
 
+# the geometry, written into the kernel as its literals 128 and 64
 BK = 128  # the chunk kernel's padded K: the state as two 64-row halves
 BVT = 64  # V columns per program
 # H200, T = 16384, H = 64, K = V = 128, alone: 1767 us at 8 warps, 1906 at 4 (Triton's kernel: 2354)

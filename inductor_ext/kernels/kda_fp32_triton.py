@@ -712,7 +712,8 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     optional FP32 initial_state ``[N,H,K,V]``, optional int64 cu_seqlens ``[N+1]`` (then B = 1).
     Returns (o in v's dtype ``[B,T,H,V]``, final state FP32 ``[N,H,K,V]``). Tuning knobs, not
     semantics: ``block_k`` (K and V columns per step of the chunk kernel's loops), ``block_v`` (V
-    columns per state-pass program) and ``warps`` (chunk and solve kernels, state kernel). On the H200 (triton
+    columns per state-pass program) and ``warps`` (chunk and solve kernels, Triton state kernel; the Gluon
+    state pass of ``kda_fp32_gluon``, taken on Hopper for block_v 64 and K > 64, runs 8). On the H200 (triton
     3.6) 8 warps in the chunk kernel fault with an illegal memory access at T=2048, H=64 (two
     warpgroups on M=64 tf32x3 dots, n8 wgmma; not retried with ``_dot3``); 4 warps run (see
     ``notes/kda-fp32-kernels.md``).
