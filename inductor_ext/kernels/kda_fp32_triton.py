@@ -691,9 +691,11 @@ def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_outp
     state, the state entering every chunk into HS and v_new into VN. On Hopper, for K in 65..128 with
     64 V columns per program and o wanted, the Gluon kernel of ``kda_fp32_gluon`` (the same results,
     bitwise; H200, T = 16384, H = 64, K = V = 128: 1767 against 2354 us); ``warps`` is the Triton kernel's."""
-    if cp.N > 0 and cp.H > 0 and kda_fp32_gluon.usable(final.device, cp.BK, cp.BVT, split_output):
+    if cp.N == 0 or cp.H == 0:
+        return
+    if kda_fp32_gluon.usable(final.device, cp.BK, cp.BVT, split_output):
         kda_fp32_gluon.state_pass_gluon(cp, o, initial_state, final)
-    elif cp.N > 0 and cp.H > 0:
+    else:
         h0 = initial_state.contiguous() if initial_state is not None else final
         _state_kernel[(cp.BV // cp.BVT, cp.H, cp.N)](
             cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, final if o is None else o, h0, final, cp.cu, cp.first_slot,
