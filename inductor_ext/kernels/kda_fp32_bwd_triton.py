@@ -133,14 +133,14 @@ def _right_rows(sel, kJ, dkJ, BKB: tl.constexpr):
 
 
 @triton.jit
-def _decay_products_bwd(dp, qh, kh, gc, r, SPAN: tl.constexpr):
+def _decay_products_bwd(dp, qh, kh, gc, ref, r, SPAN: tl.constexpr):
     """One K-slice's gradients through the decay products ``P_ij = Σ_k x_ik k̂_jk e^{gc_ik − gc_jk}``,
     whole chunk at once with the forward's factors at row 32: x = q̂ with cotangent dP_q at ``dp``,
     x = k̂ with dP_k at ``dp + 4096`` ([64,64] row-major each, masked). Returns d q̂, d k̂, d gc
     ([64, BKB] FP32) and ok = no exponent exceeds SPAN; if not, the slice contributes nothing here
     and ``_chunk_bwd_blocks_kernel`` takes it by 16-column blocks (a branch here would cost every
     slice: session 11's exact-path branch cost 8 ms of that kernel's 30 at T = 16384 on the H200)."""
-    x = _chunk_exponents(gc, r)
+    x = _chunk_exponents(gc, ref)
     ok = tl.max(tl.abs(x)) <= SPAN
     el = tl.exp(tl.where(ok, x, -float("inf")))  # both zero unless ok
     er = tl.exp(tl.where(ok, -x, -float("inf")))
@@ -286,7 +286,7 @@ def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, NRM, DP, DB
     u_base = slot * (64 * BV)
     k_base = slot * (64 * BK)
     h_base = slot * (BK * BV)
-    c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+    c, qh, kh, gc, gl, ref = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
     eg = tl.exp(gc.to(tl.float32))
     el = tl.exp((gl[None, :] - gc).to(tl.float32))
     kg = kh * el
@@ -310,7 +310,7 @@ def _chunk_bwd_kernel(q, k, g, beta, do, chunk_map, cu, HS, DHS, VN, NRM, DP, DB
     dgc = scale * qh * eg * dqg - kg * dkg + b[:, None] * kh * eg * dbw
     p_s = _slice_sums(SUMS, slot, kb, r, BK, BKB)
     tl.store(p_s, tl.sum(kh * eg * dbw, 1))
-    gq, gk, gg, ok = _decay_products_bwd(DP + slot * 8192, qh, kh, gc, r, SPAN)
+    gq, gk, gg, ok = _decay_products_bwd(DP + slot * 8192, qh, kh, gc, ref, r, SPAN)
     dqh += gq
     dkh += gk
     dgc += gg
@@ -337,7 +337,7 @@ def _chunk_bwd_blocks_kernel(q, k, g, chunk_map, cu, NRM, DP, DQK, DGC, SUMS, FL
     if tl.load(FLAG + (i_s.to(tl.int64) * H + i_h) * (BK // BKB) + kb) != 0:
         r, rows, n, tok, slot = _slot(chunk_map, cu, i_s, i_h, H)
         rq, rk = _load_norms(NRM, slot, r)
-        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+        c, qh, kh, gc, gl, ref = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
         dp = DP + slot * 8192
         dqh = tl.zeros([64, BKB], dtype=tl.float32)
         dkh = tl.zeros([64, BKB], dtype=tl.float32)

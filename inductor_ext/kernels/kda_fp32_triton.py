@@ -10,8 +10,7 @@ Three kernels, no host synchronisation (the chunk list has the static length ``c
 when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
 
 1. ``_chunk_kernel``, one program per (chunk slot, head), fully parallel. Reads q, k, g, beta (q
-   and k a second time after their norms, g a second time after the Σ|g| bound below) and writes,
-   chunk-major FP32:
+   and k a second time after their norms) and writes, chunk-major FP32:
    ``qg = scale·q̂·e^{gc}``, ``kgᵀ = (k̂·e^{gc_last-gc})ᵀ``, ``Aqk`` (scale·masked q̂–k̂ decay products),
    ``A⁻¹`` with ``A = I + strict_lower(β_i k̂_i·k̂_j e^{gc_i-gc_j})``, w's right-hand side ``β k̂ e^{gc}``
    and ``e^{gc_last}`` per chunk.
@@ -23,18 +22,22 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
    check too takes an exact elementwise path (CUDA cores, every exponent ≤ 0). H200, T = 16384,
    H = 64, K = V = 128: chunk kernel 6.5 -> 4.9 ms with the whole-chunk path on the benchmark's
    gates (``notes/kda-fp32-kernels.md``, session 12). The kernel is launched twice: the first launch
-   takes the chunks whose keys all keep the whole-chunk factors within e^{SPAN} (a bound from Σ|g|
-   over each half chunk, before any other work) and flags the rest, which the second launch, the only
-   one compiled with the 16-column-block and exact paths, computes. Without that code the first
-   launch compiles to 8.3 instead of 11.7 k sm_90 instructions with fewer spills; H200, same size, FP32
-   inputs, both launches: 4611 -> 4028 us on the benchmark's gates, 5271 -> 5304 on KDA-style gates
-   (session 14). The cumulative gate is scanned in FP64
+   computes the chunks whose whole-chunk exponents all stay within SPAN, checked slice by slice (a
+   chunk stops its work at the first slice that fails), and flags the rest, which the second launch,
+   the only one compiled with the 16-column-block and exact paths, computes. Without that code the
+   first launch compiles to 8.3 instead of 11.7 k sm_90 instructions with fewer spills; H200, same
+   size, FP32 inputs, both launches: 4611 -> 4028 us on the benchmark's gates, 5271 -> 5304 on
+   KDA-style gates (session 14, then with a Σ|g| bound before any work; checking the exponents
+   themselves in the loop, with rows n-1 and 32 of gc taken in one reduction: BF16 inputs, 3129 ->
+   2803 us and 5987 -> 5950 us, session 17). The cumulative gate is scanned in FP64
    and every exponent is a difference of two of its rows rounded once to FP32, so a steep gate early
    in a chunk does not cost the later tokens ulp(|gc|) of absolute exponent error.
    The chunk kernel also stores each row's 1/‖q‖ and 1/‖k‖ for the backward.
    A⁻¹: the four 16×16 diagonal blocks are inverted together by a 15-step row sweep ([4,16,16]
    tiles, FP32 elementwise), then block forward elimination builds the four 16-row blocks of A⁻¹
-   with small dots.
+   with small dots. L = A − I is stored first into A⁻¹'s own slot, and the sweep's rows and the
+   elimination's column blocks are loaded back from there (L1/L2) instead of selected out of
+   registers by reductions (session 17: 104 us of the chunk kernel's 3.1 ms).
 2. ``_solve_kernel``, one program per (64 columns, chunk slot, head): ``w = A⁻¹(β k̂ e^{gc})`` in
    place of its right-hand side and ``u = A⁻¹(β v)``, by :func:`_dot3t`. H200, T = 16384, H = 64,
    K = V = 128, BF16 inputs: the chunk kernel's solve took about 1 ms of its 4.15; on its own,
@@ -195,10 +198,10 @@ def _join4(x0, x1, x2, x3):
 
 
 @triton.jit
-def _chunk_exponents(gc, r):
-    """gc_i − gc_32 for every row, a difference of two FP64 rows rounded once to FP32: the exponents
-    of the whole-chunk factors e^{gc_i − gc_32} (rows i) and e^{gc_32 − gc_j} (rows j, the negation)."""
-    ref = tl.sum(tl.where((r == 32)[:, None], gc, 0.0), 0)
+def _chunk_exponents(gc, ref):
+    """gc_i − gc_32 for every row (ref: row 32 of gc, from :func:`_k_slice`), a difference of two FP64
+    rows rounded once to FP32: the exponents of the whole-chunk factors e^{gc_i − gc_32} (rows i) and
+    e^{gc_32 − gc_j} (rows j, the negation)."""
     return (gc - ref[None, :]).to(tl.float32)
 
 
@@ -211,27 +214,12 @@ def _whole_chunk_products(qh, kh, x, acc_q, acc_k):
 
 
 @triton.jit
-def _chunk_span(g, tok, rows, r, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr):
-    """A bound on the exponents |gc_i − gc_32| of the whole-chunk factors, over every key of the chunk:
-    the larger of Σ|g| over rows 1..32 and over rows 33..63 (equal to the largest exponent for decays)."""
-    span = tl.full([], 0.0, tl.float32)
-    for kb in range(BK // BKB):
-        c = kb * BKB + tl.arange(0, BKB)
-        m = rows[:, None] & (c < K)[None, :]
-        a = tl.abs(tl.load(g + tok[:, None] * (H * K) + i_h * K + c[None, :], mask=m, other=0.0))
-        top = tl.sum(tl.where(((r >= 1) & (r <= 32))[:, None], a, 0.0), 0)
-        bottom = tl.sum(tl.where((r > 32)[:, None], a, 0.0), 0)
-        span = tl.maximum(span, tl.max(tl.maximum(top, bottom)))
-    return span
-
-
-@triton.jit
-def _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.constexpr, BLOCKS: tl.constexpr):
+def _decay_products(qh, kh, gc, ref, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.constexpr, BLOCKS: tl.constexpr):
     """Add one K-slice's unmasked q̂–k̂ (acc_q) and k̂–k̂ (acc_k) decay products, [64, 64] each.
-    Whole chunk at once, factored at row 32. With BLOCKS (the launch for chunks that
-    :func:`_chunk_span` did not clear) only when no exponent of the slice exceeds SPAN, otherwise by
+    Whole chunk at once, factored at row 32 (ref: that row of gc). With BLOCKS (the launch for the
+    chunks the first launch flagged) only when no exponent of the slice exceeds SPAN, otherwise by
     the four 16-column blocks of :func:`_col_block` (each factored at its own middle row, or exact)."""
-    x = _chunk_exponents(gc, r)
+    x = _chunk_exponents(gc, ref)
     if not BLOCKS:
         acc_q, acc_k = _whole_chunk_products(qh, kh, x, acc_q, acc_k)
     elif tl.max(tl.abs(x)) <= SPAN:
@@ -260,35 +248,31 @@ def _elim_step(Z, M, lJ, r, J: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
-def _inverse(L, r):
-    """(I + L)⁻¹ for the strictly lower L [64, 64]."""
+def _inverse_to(L, r, p):
+    """(I + L)⁻¹ for the strictly lower L [64, 64], stored row-major at p (64×64 FP32, which also
+    holds L meanwhile: rows and columns of L are read back from there, not selected in registers)."""
+    tl.store(p + r[:, None] * 64 + tl.arange(0, 64)[None, :], L)
+    tl.debug_barrier()
     ib = tl.arange(0, 4)
-    L4 = tl.reshape(L, [4, 16, 4, 16])
-    # the four diagonal 16×16 blocks of L (a select over the column blocks adds three zeros: exact)
-    Ld = tl.sum(tl.where(ib[:, None, None, None] == ib[None, None, :, None], L4, 0.0), 2)
-    ra = tl.arange(0, 16)[None, :, None]
-    cb = tl.arange(0, 16)[None, None, :]
+    a16 = tl.arange(0, 16)
+    ra = a16[None, :, None]
+    cb = a16[None, None, :]
     Z = tl.where(ra == cb, 1.0, 0.0) + tl.zeros([4, 16, 16], dtype=tl.float32)
     for s in tl.static_range(1, 16):  # row s of every diagonal inverse, from rows < s
-        lrow = tl.sum(tl.where(ra == s, Ld, 0.0), 1)  # [4,16]: L[16J+s, 16J+b]
+        lrow = tl.load(p + (16 * ib[:, None] + s) * 64 + 16 * ib[:, None] + a16[None, :])  # [4,16]: L[16J+s, 16J+b]
         Z = tl.where(ra == s, Z - tl.sum(lrow[:, :, None] * Z, 1)[:, None, :], Z)
     c64 = tl.arange(0, 64)
     M = tl.where(r[:, None] == c64[None, :], 1.0, 0.0)
-    Lc = tl.reshape(L, [64, 4, 16])
-    P0, M = _elim_step(Z, M, _col16(Lc, 0), r, 0, False)
-    P1, M = _elim_step(Z, M, _col16(Lc, 1), r, 1, False)
-    P2, M = _elim_step(Z, M, _col16(Lc, 2), r, 2, False)
-    P3, M = _elim_step(Z, M, _col16(Lc, 3), r, 3, True)
-    rb = tl.arange(0, 4)[:, None, None]
-    A = tl.where(rb == 0, P0[None, :, :], 0.0) + tl.where(rb == 1, P1[None, :, :], 0.0)
-    A = A + tl.where(rb == 2, P2[None, :, :], 0.0) + tl.where(rb == 3, P3[None, :, :], 0.0)
-    return tl.reshape(A, [64, 64])
-
-
-@triton.jit
-def _col16(Lc, J: tl.constexpr):
-    """Columns 16J..16J+15 of L, given as [64, 4, 16] (an exact select)."""
-    return tl.sum(tl.where((tl.arange(0, 4) == J)[None, :, None], Lc, 0.0), 1)
+    P0, M = _elim_step(Z, M, tl.load(p + r[:, None] * 64 + a16[None, :]), r, 0, False)
+    P1, M = _elim_step(Z, M, tl.load(p + r[:, None] * 64 + 16 + a16[None, :]), r, 1, False)
+    P2, M = _elim_step(Z, M, tl.load(p + r[:, None] * 64 + 32 + a16[None, :]), r, 2, False)
+    P3, M = _elim_step(Z, M, M, r, 3, True)
+    tl.debug_barrier()
+    p_rows = p + a16[:, None] * 64 + c64[None, :]
+    tl.store(p_rows, P0)
+    tl.store(p_rows + 16 * 64, P1)
+    tl.store(p_rows + 32 * 64, P2)
+    tl.store(p_rows + 48 * 64, P3)
 
 
 @triton.jit
@@ -317,7 +301,8 @@ def _inv_norms(q, k, tok, rows, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.co
 
 @triton.jit
 def _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H: tl.constexpr, K: tl.constexpr, BKB: tl.constexpr):
-    """K-slice kb: its columns, q̂ and k̂ [64, BKB] FP32, the FP64 chunk cumulative gate and its last row."""
+    """K-slice kb: its columns, q̂ and k̂ [64, BKB] FP32, the FP64 chunk cumulative gate gc and its
+    rows n-1 and 32."""
     c = kb * BKB + tl.arange(0, BKB)
     m = rows[:, None] & (c < K)[None, :]
     off = tok[:, None] * (H * K) + i_h * K + c[None, :]
@@ -326,8 +311,12 @@ def _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H: tl.constexpr, K: tl.c
     # the chunk cumulative gate in FP64: every exponent below is a difference of two of its rows,
     # which FP32 prefixes would carry with an absolute error ~ulp(|gc|) (6e-5 at |gc| = 960)
     gc = tl.cumsum(tl.load(g + off, mask=m, other=0.0).to(tl.float64), 0)
-    gl = tl.sum(tl.where((r == n - 1)[:, None], gc, 0.0), 0)  # the chunk's last row (exact select)
-    return c, qh, kh, gc, gl
+    # rows n-1 (the chunk's last) and 32 (the whole-chunk factors' reference) of gc, as exact selects
+    # in one reduction: FP64 reductions over the rows cross warps, and each costs a shared-memory
+    # round trip (H200, T = 16384, H = 64: a separate one for each, 71 us more, session 17)
+    pick = tl.where(tl.arange(0, 2) == 0, n - 1, 32)
+    gl, ref = tl.split(tl.sum(tl.where((r[:, None] == pick[None, :])[:, None, :], gc[:, :, None], 0.0), 0))
+    return c, qh, kh, gc, gl, ref
 
 
 @triton.jit
@@ -350,19 +339,14 @@ def _chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, F
     # W gets the right-hand side β k̂ e^{gc} of w, which _solve_kernel turns into w. LOAD_A: Aqk and
     # AI hold a previous call's results: skip the decay products and the inverse, recompute only qg,
     # kgᵀ, w's right-hand side and e^{gc_last}. Otherwise two launches: without BLOCKS a program
-    # computes its chunk if _chunk_span clears it for the whole-chunk factors and flags it in FLAG if
-    # not; with BLOCKS a program computes only a flagged chunk
+    # computes its chunk while every slice's whole-chunk exponents stay within SPAN, stops at the first
+    # slice where they do not and then flags the chunk in FLAG; with BLOCKS a program computes only a
+    # flagged chunk
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = _slot(chunk_map, cu, tl.program_id(0), i_h, H)
-    if not LOAD_A:
-        if BLOCKS:
-            if tl.load(FLAG + slot) == 0:
-                return
-        else:
-            flag = tl.where(_chunk_span(g, tok, rows, r, i_h, H, K, BK, BKB) <= SPAN, 0, 1)
-            tl.store(FLAG + slot, flag)
-            if flag != 0:
-                return
+    if BLOCKS:
+        if tl.load(FLAG + slot) == 0:
+            return
     rq, rk = _inv_norms(q, k, tok, rows, i_h, H, K, BK, EPS)
     tl.store(NRM + slot * 128 + r, rq)  # for the backward's kernels
     tl.store(NRM + slot * 128 + 64 + r, rk)
@@ -371,13 +355,24 @@ def _chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, F
     # pass 1 over K-slices: gate cumsum, qg / kgᵀ / βk̂e^{gc} / e^{gc_last}, the decay products
     acc_q = tl.zeros([64, 64], dtype=tl.float32)
     acc_k = tl.zeros([64, 64], dtype=tl.float32)
+    xmax = tl.full([], 0.0, tl.float32)  # the first launch's largest |whole-chunk exponent| so far
     for kb in range(BK // BKB):
-        c, qh, kh, gc, gl = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
-        _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
-        if not LOAD_A:
-            acc_q, acc_k = _decay_products(qh, kh, gc, r, acc_q, acc_k, BKB, SPAN, BLOCKS)
+        c, qh, kh, gc, gl, ref = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+        go = True
+        if not LOAD_A and not BLOCKS:
+            xmax = tl.maximum(xmax, tl.max(tl.abs(_chunk_exponents(gc, ref))))
+            go = xmax <= SPAN
+        if go:  # (the first launch's results of a flagged chunk are all overwritten by the second)
+            _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
+            if not LOAD_A:
+                acc_q, acc_k = _decay_products(qh, kh, gc, ref, r, acc_q, acc_k, BKB, SPAN, BLOCKS)
 
     if not LOAD_A:
+        if not BLOCKS:
+            flag = tl.where(xmax <= SPAN, 0, 1)
+            tl.store(FLAG + slot, flag)
+            if flag != 0:
+                return
         # masked: scale·Aqk (j ≤ i), and A − I = β_i·(k̂–k̂ products) (j < i), whose products the
         # backward reads for dβ (STORE_A)
         c64 = tl.arange(0, 64)
@@ -387,7 +382,7 @@ def _chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, F
         akk = tl.where(r[:, None] > c64[None, :], acc_k, 0.0)
         if STORE_A:
             tl.store(p_ai + 4096, akk)
-        tl.store(p_ai, _inverse(akk * b[:, None], r))
+        _inverse_to(akk * b[:, None], r, AI + slot * (8192 if STORE_A else 4096))
 
 
 @triton.jit
