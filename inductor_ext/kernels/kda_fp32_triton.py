@@ -214,12 +214,11 @@ def _whole_chunk_products(qh, kh, x, acc_q, acc_k):
 
 
 @triton.jit
-def _decay_products(qh, kh, gc, ref, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.constexpr, BLOCKS: tl.constexpr):
+def _decay_products(qh, kh, gc, x, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.constexpr, BLOCKS: tl.constexpr):
     """Add one K-slice's unmasked q̂–k̂ (acc_q) and k̂–k̂ (acc_k) decay products, [64, 64] each.
-    Whole chunk at once, factored at row 32 (ref: that row of gc). With BLOCKS (the launch for the
+    Whole chunk at once, factored at row 32 (x: :func:`_chunk_exponents`). With BLOCKS (the launch for the
     chunks the first launch flagged) only when no exponent of the slice exceeds SPAN, otherwise by
     the four 16-column blocks of :func:`_col_block` (each factored at its own middle row, or exact)."""
-    x = _chunk_exponents(gc, ref)
     if not BLOCKS:
         acc_q, acc_k = _whole_chunk_products(qh, kh, x, acc_q, acc_k)
     elif tl.max(tl.abs(x)) <= SPAN:
@@ -266,7 +265,7 @@ def _inverse_to(L, r, p):
     P0, M = _elim_step(Z, M, tl.load(p + r[:, None] * 64 + a16[None, :]), r, 0, False)
     P1, M = _elim_step(Z, M, tl.load(p + r[:, None] * 64 + 16 + a16[None, :]), r, 1, False)
     P2, M = _elim_step(Z, M, tl.load(p + r[:, None] * 64 + 32 + a16[None, :]), r, 2, False)
-    P3, M = _elim_step(Z, M, M, r, 3, True)
+    P3, M = _elim_step(Z, M, M, r, 3, True)  # (the last step eliminates nothing: no column block)
     tl.debug_barrier()
     p_rows = p + a16[:, None] * 64 + c64[None, :]
     tl.store(p_rows, P0)
@@ -358,14 +357,15 @@ def _chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, F
     xmax = tl.full([], 0.0, tl.float32)  # the first launch's largest |whole-chunk exponent| so far
     for kb in range(BK // BKB):
         c, qh, kh, gc, gl, ref = _k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
+        x = _chunk_exponents(gc, ref)
         go = True
         if not LOAD_A and not BLOCKS:
-            xmax = tl.maximum(xmax, tl.max(tl.abs(_chunk_exponents(gc, ref))))
+            xmax = tl.maximum(xmax, tl.max(tl.abs(x)))
             go = xmax <= SPAN
         if go:  # (the first launch's results of a flagged chunk are all overwritten by the second)
             _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
             if not LOAD_A:
-                acc_q, acc_k = _decay_products(qh, kh, gc, ref, r, acc_q, acc_k, BKB, SPAN, BLOCKS)
+                acc_q, acc_k = _decay_products(qh, kh, gc, x, r, acc_q, acc_k, BKB, SPAN, BLOCKS)
 
     if not LOAD_A:
         if not BLOCKS:
