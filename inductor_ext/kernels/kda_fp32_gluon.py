@@ -59,15 +59,15 @@ def _split(x):
 
 
 @gluon.jit
-def _tile_ptr(QG, KGT, W, U, AQK, slot, i_v, J: gl.constexpr, r, c, BV: gl.constexpr):
-    """[64, 64] pointers of tile J of a chunk, in the order of use: w[:, :64], w[:, 64:], qg[:, :64],
-    qg[:, 64:], u (this program's columns), Aqk, kgᵀ[:64], kgᵀ[64:]."""
+def _tile_ptr(QG, KGT, R, AI, AQK, slot, J: gl.constexpr, r, c, AIS: gl.constexpr):
+    """[64, 64] pointers of tile J of a chunk, in the order of use: R[:, :64], R[:, 64:], qg[:, :64],
+    A⁻¹, qg[:, 64:], Aqk, kgᵀ[:64], kgᵀ[64:]."""
     if J < 2:
-        p = W + slot * (64 * 128) + r[:, None] * 128 + 64 * J + c[None, :]
-    elif J < 4:
-        p = QG + slot * (64 * 128) + r[:, None] * 128 + 64 * (J - 2) + c[None, :]
-    elif J == 4:
-        p = U + slot * (64 * BV) + r[:, None] * BV + i_v * 64 + c[None, :]
+        p = R + slot * (64 * 128) + r[:, None] * 128 + 64 * J + c[None, :]
+    elif J == 2 or J == 4:
+        p = QG + slot * (64 * 128) + r[:, None] * 128 + 32 * (J - 2) + c[None, :]
+    elif J == 3:
+        p = AI + slot * AIS + r[:, None] * 64 + c[None, :]
     elif J == 5:
         p = AQK + slot * 4096 + r[:, None] * 64 + c[None, :]
     else:
@@ -76,24 +76,24 @@ def _tile_ptr(QG, KGT, W, U, AQK, slot, i_v, J: gl.constexpr, r, c, BV: gl.const
 
 
 @gluon.jit
-def _fetch(ring, QG, KGT, W, U, AQK, slot0, t, i_h, i_v, n_chunks, J: gl.constexpr, r, c,
-           H: gl.constexpr, BV: gl.constexpr):
+def _fetch(ring, QG, KGT, R, AI, AQK, slot0, t, i_h, n_chunks, J: gl.constexpr, r, c,
+           H: gl.constexpr, AIS: gl.constexpr):
     """cp.async tile J of chunk t into ring slot J % 4 as one commit group (nothing past the
     document's last chunk)."""
     slot = (slot0 + gl.maximum(gl.minimum(t, n_chunks - 1), 0)).to(gl.int64) * H + i_h
-    p = _tile_ptr(QG, KGT, W, U, AQK, slot, i_v, J, r, c, BV)
+    p = _tile_ptr(QG, KGT, R, AI, AQK, slot, J, r, c, AIS)
     async_copy.async_copy_global_to_shared(ring.index(J % _RING), p, mask=(r[:, None] >= 0) & (t < n_chunks))
     async_copy.commit_group()
 
 
 @gluon.jit
-def _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, J: gl.constexpr, r, c,
-            H: gl.constexpr, BV: gl.constexpr):
+def _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, J: gl.constexpr, r, c,
+            H: gl.constexpr, AIS: gl.constexpr):
     """Before tile J of chunk it is read: wait for its copy (two later groups may still be in flight),
     then, every warp being past tile J-1, refill J-1's slot with the tile three ahead of J."""
     async_copy.wait_group(2)
     gl.thread_barrier()
-    _fetch(ring, QG, KGT, W, U, AQK, slot0, it + (J + 3) // _TILES, i_h, i_v, n_chunks, (J + 3) % _TILES, r, c, H, BV)
+    _fetch(ring, QG, KGT, R, AI, AQK, slot0, it + (J + 3) // _TILES, i_h, n_chunks, (J + 3) % _TILES, r, c, H, AIS)
 
 
 @gluon.jit
@@ -127,8 +127,8 @@ def _stage(x, smem, i: gl.constexpr):
 
 
 @gluon.jit
-def _state_kernel_gluon(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot,
-                        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HAS_H0: gl.constexpr):
+def _state_kernel_gluon(QG, KGT, R, AI, AQK, DEC, v, beta, o, h0, ht, cu, first_slot,
+                        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, AIS: gl.constexpr, HAS_H0: gl.constexpr):
     WG: gl.constexpr = gl.num_warps() // 4
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, 64 // WG, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
@@ -148,9 +148,10 @@ def _state_kernel_gluon(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot,
                                      gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     b_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2, transposed=True)
     hs = gl.allocate_shared_memory(gl.float32, [4, 64, 64], b_sl)  # h's hi, lo (K rows 0-63), hi, lo (64-127)
+    xs = gl.allocate_shared_memory(gl.float32, [2, 64, 64], b_sl)  # βv − R·h's hi, lo
     vs = gl.allocate_shared_memory(gl.float32, [2, 64, 64], b_sl)  # v_new's hi, lo
     for J in gl.static_range(3):
-        _fetch(ring, QG, KGT, W, U, AQK, slot0, 0, i_h, i_v, n_chunks, J, r, c, H, BV)
+        _fetch(ring, QG, KGT, R, AI, AQK, slot0, 0, i_h, n_chunks, J, r, c, H, AIS)
     off = ((i_n * H + i_h) * K + rm[:, None]).to(gl.int64) * V + cv[None, :]
     m_a = (rm[:, None] < K) & (cv < V)[None, :]
     m_b = (rm[:, None] + 64 < K) & (cv < V)[None, :]
@@ -167,44 +168,53 @@ def _state_kernel_gluon(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot,
         slot = (slot0 + it).to(gl.int64) * H + i_h
         dec_a = gl.load(DEC + slot * 128 + rm)
         dec_b = gl.load(DEC + slot * 128 + 64 + rm)
-        # w·h (two K halves), then qg·h; v_new staged while qg's first half runs
-        _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, 0, r, c, H, BV)
+        tok = bos + it * 64 + rm
+        live = rm < length - it * 64
+        m_o = live[:, None] & (cv < V)[None, :]
+        vx = gl.load(v + tok[:, None] * (H * V) + i_h * V + cv[None, :], mask=m_o, other=0.0).to(gl.float32)
+        b = gl.load(beta + tok * H + i_h, mask=live, other=0.0).to(gl.float32)
+        # R·h (two K halves), then qg·h's first half while x = βv − R·h is staged
+        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 0, r, c, H, AIS)
         x_hi, x_lo = _operand(ring, 0, a_l)
         acc = _mma3(x_hi, x_lo, hs.index(0), hs.index(1), mma)
-        _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, 1, r, c, H, BV)
+        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 1, r, c, H, AIS)
         y_hi, y_lo = _operand(ring, 1, a_l)
-        wh = _done(acc, x_hi, x_lo)
+        rh = _done(acc, x_hi, x_lo)
         acc = _mma3(y_hi, y_lo, hs.index(2), hs.index(3), mma)
-        _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, 2, r, c, H, BV)
+        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 2, r, c, H, AIS)
         x_hi, x_lo = _operand(ring, 2, a_l)
-        wh += _done(acc, y_hi, y_lo)
+        rh += _done(acc, y_hi, y_lo)
         acc = _mma3(x_hi, x_lo, hs.index(0), hs.index(1), mma)
-        _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, 3, r, c, H, BV)
-        y_hi, y_lo = _operand(ring, 3, a_l)
-        _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, 4, r, c, H, BV)
-        _stage(ring.index(0).load(mma) - wh, vs, 0)  # v_new = u − w·h
+        _stage(gl.fma(vx, b[:, None], -rh), xs, 0)
         fence_async_shared()
+        # v_new = A⁻¹·x, then qg·h's second half while v_new is staged
+        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 3, r, c, H, AIS)
+        y_hi, y_lo = _operand(ring, 3, a_l)
         ov = _done(acc, x_hi, x_lo)
-        acc = _mma3(y_hi, y_lo, hs.index(2), hs.index(3), mma)
+        acc = _mma3(y_hi, y_lo, xs.index(0), xs.index(1), mma)
+        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 4, r, c, H, AIS)
+        x_hi, x_lo = _operand(ring, 4, a_l)
+        vn = _done(acc, y_hi, y_lo)
+        acc = _mma3(x_hi, x_lo, hs.index(2), hs.index(3), mma)
+        _stage(vn, vs, 0)
+        fence_async_shared()
         # Aqk·v_new, then kgᵀ·v_new for the next state
-        _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, 5, r, c, H, BV)
-        x_hi, x_lo = _operand(ring, 5, a_l)
-        ov += _done(acc, y_hi, y_lo)
-        acc = _mma3(x_hi, x_lo, vs.index(0), vs.index(1), mma)
-        _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, 6, r, c, H, BV)
-        y_hi, y_lo = _operand(ring, 6, a_l)
+        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 5, r, c, H, AIS)
+        y_hi, y_lo = _operand(ring, 5, a_l)
         ov += _done(acc, x_hi, x_lo)
         acc = _mma3(y_hi, y_lo, vs.index(0), vs.index(1), mma)
-        tok = bos + it * 64 + rm
-        m_o = (rm < length - it * 64)[:, None] & (cv < V)[None, :]
-        gl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
-        _arrive(ring, QG, KGT, W, U, AQK, slot0, it, i_h, i_v, n_chunks, 7, r, c, H, BV)
-        x_hi, x_lo = _operand(ring, 7, a_l)
-        ka = _done(acc, y_hi, y_lo)
+        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 6, r, c, H, AIS)
+        x_hi, x_lo = _operand(ring, 6, a_l)
+        ov += _done(acc, y_hi, y_lo)
         acc = _mma3(x_hi, x_lo, vs.index(0), vs.index(1), mma)
+        gl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
+        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 7, r, c, H, AIS)
+        y_hi, y_lo = _operand(ring, 7, a_l)
+        ka = _done(acc, x_hi, x_lo)
+        acc = _mma3(y_hi, y_lo, vs.index(0), vs.index(1), mma)
         # the state from its staged halves (hi + lo is exact): no registers held across the chunk
         ha = (hs.index(0).load(mma) + hs.index(1).load(mma)) * dec_a[:, None] + ka
-        hb = (hs.index(2).load(mma) + hs.index(3).load(mma)) * dec_b[:, None] + _done(acc, x_hi, x_lo)
+        hb = (hs.index(2).load(mma) + hs.index(3).load(mma)) * dec_b[:, None] + _done(acc, y_hi, y_lo)
         _stage(ha, hs, 0)
         _stage(hb, hs, 2)
         fence_async_shared()
@@ -214,9 +224,9 @@ def _state_kernel_gluon(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot,
 
 
 def state_pass_gluon(cp, o, initial_state, final) -> None:
-    """o and the final state of a ``kda_fp32_triton.ChunkPass`` (see the module docstring; requires
-    :func:`usable`)."""
+    """o and the final state of an unsolved ``kda_fp32_triton.ChunkPass`` (see the module docstring;
+    requires :func:`usable`)."""
     h0 = initial_state.contiguous() if initial_state is not None else final
     _state_kernel_gluon[(cp.BV // BVT, cp.H, cp.N)](
-        cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, o, h0, final, cp.cu, cp.first_slot,
-        H=cp.H, K=cp.K, V=cp.V, BV=cp.BV, HAS_H0=initial_state is not None, num_warps=WARPS)
+        cp.QG, cp.KGT, cp.W, cp.AI, cp.AQK, cp.DEC, cp.v, cp.beta, o, h0, final, cp.cu, cp.first_slot,
+        H=cp.H, K=cp.K, V=cp.V, AIS=cp.AI.stride(1), HAS_H0=initial_state is not None, num_warps=WARPS)

@@ -451,12 +451,14 @@ def _store_state(ptr, a, b, off_a, off_b, m_a, m_b, TWO: tl.constexpr):
 
 
 @triton.jit
-def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
+def _state_kernel(QG, KGT, W, U, AQK, DEC, AI, v, beta, o, h0, ht, cu, first_slot, HS, VN,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BVT: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr):
+                  BVT: tl.constexpr, AIS: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr):
     # the state [K, BVT] is held as one or two [≤64, BVT] register tiles (K rows 0-63, 64-127): each
     # dot's A operand (split into TF32 hi/lo in registers) is then at most [64, 64], which keeps
-    # K = 128 free of register spills
+    # K = 128 free of register spills. SPLIT: W and U hold the solve kernel's w and u, v_new = u − w·h;
+    # otherwise W holds w's right-hand side R = βk̂e^{gc} and v_new = A⁻¹(βv − R·h) (A⁻¹ at AI, AIS
+    # floats per slot; v and beta the inputs)
     KS: tl.constexpr = BK if BK < 64 else 64
     TWO: tl.constexpr = BK > 64
     i_h = tl.program_id(1)
@@ -476,14 +478,21 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, o, h0, ht, cu, first_slot, HS, VN,
         if TWO:
             wh += _dot3(tl.load(p_w + 64), hb)
         p_u = slot * (64 * BV) + r[:, None] * BV + cv[None, :]
-        vn = tl.load(U + p_u) - wh
         if SPLIT:  # the state before this chunk and v_new, for _output_kernel
+            vn = tl.load(U + p_u) - wh
             p_h = slot * (BK * BV) + ck[:, None] * BV + cv[None, :]
             tl.store(HS + p_h, ha)
             if TWO:
                 tl.store(HS + p_h + 64 * BV, hb)
             tl.store(VN + p_u, vn)
         else:
+            tok = bos + it * 64 + r
+            live = r < length - it * 64
+            vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + cv[None, :],
+                         mask=live[:, None] & (cv < V)[None, :], other=0.0).to(tl.float32)
+            b = tl.load(beta + tok * H + i_h, mask=live, other=0.0).to(tl.float32)
+            x = tl.fma(vx, b[:, None], -wh)  # (one rounding, as the Gluon kernel's)
+            vn = _dot3(tl.load(AI + slot * AIS + r[:, None] * 64 + c64[None, :]), x)
             _store_output(p_q, ha, hb, AQK + slot * 4096, vn, o, bos, length, it, i_h, r, cv, H, V, TWO)
         ha = ha * tl.load(p_d)[:, None] + _dot3(tl.load(p_k), vn)
         if TWO:
@@ -588,7 +597,8 @@ def _chunk_list(cu: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Ten
 @dataclasses.dataclass
 class ChunkPass:
     """What the chunk and solve kernels leave for the state passes: the chunk list, the chunk-major
-    FP32 intermediates ``[slot, H, ...]`` and the launch geometry."""
+    FP32 intermediates ``[slot, H, ...]``, the launch geometry, and v and beta (the forward's state pass
+    reads them when the solve kernel did not run)."""
 
     N: int
     H: int
@@ -605,12 +615,15 @@ class ChunkPass:
     first_slot: torch.Tensor
     QG: torch.Tensor
     KGT: torch.Tensor
-    W: torch.Tensor
-    U: torch.Tensor
+    W: torch.Tensor  # w, or (not solved) its right-hand side βk̂e^{gc}
+    U: torch.Tensor  # u, or (not solved) empty
     AQK: torch.Tensor
     DEC: torch.Tensor
     AI: torch.Tensor  # per slot A⁻¹, then (kept) the k̂–k̂ products (no β): [slot, H, 1 or 2 (kept), 64, 64]
     NRM: torch.Tensor  # per slot 1/‖q‖ and 1/‖k‖ of each row, [slot, H, 2, 64]
+    v: torch.Tensor
+    beta: torch.Tensor
+    solved: bool  # whether the solve kernel ran (W holds w, U u)
 
 
 def contiguous_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -633,10 +646,13 @@ def _check_blocks(name: str, block_k: int, block_v: int, **maxnregs: int | None)
 
 
 def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: int, warps: int,
-               chunk_maxnreg: int | None, keep_a: bool = False, given_a: tuple | None = None) -> ChunkPass:
-    """Launch the chunk kernel (twice) and the solve kernel on contiguous, checked inputs (see
-    :func:`kda_fp32_fwd`). ``keep_a``: keep the k̂–k̂ products in ``AI`` beside A⁻¹; ``given_a``: (Aqk,
-    AI) of an earlier call on the same inputs, which the chunk kernel then does not recompute."""
+               chunk_maxnreg: int | None, keep_a: bool = False, given_a: tuple | None = None,
+               solve: bool = True) -> ChunkPass:
+    """Launch the chunk kernel (twice) and, with ``solve``, the solve kernel on contiguous, checked
+    inputs (see :func:`kda_fp32_fwd`). ``keep_a``: keep the k̂–k̂ products in ``AI`` beside A⁻¹;
+    ``given_a``: (Aqk, AI) of an earlier call on the same inputs, which the chunk kernel then does not
+    recompute. Without ``solve`` (the forward's state pass, which solves v_new itself) W keeps w's
+    right-hand side and U is empty."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -663,8 +679,9 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
         N=N, H=H, K=K, V=V, BK=BK, BV=BV, BKB=min(BK, block_k), BVB=min(BV, block_k), BVT=min(BV, block_v),
         n_slots=n_slots, cu=cu, chunk_map=chunk_map, first_slot=first_slot,
         QG=torch.empty(S, H, CHUNK, BK, **f32), KGT=torch.empty(S, H, BK, CHUNK, **f32),
-        W=torch.empty(S, H, CHUNK, BK, **f32), U=torch.empty(S, H, CHUNK, BV, **f32),
-        AQK=aqk, DEC=torch.empty(S, H, BK, **f32), AI=ai, NRM=torch.empty(S, H, 2, CHUNK, **f32))
+        W=torch.empty(S, H, CHUNK, BK, **f32), U=torch.empty(S if solve else 0, H, CHUNK, BV, **f32),
+        AQK=aqk, DEC=torch.empty(S, H, BK, **f32), AI=ai, NRM=torch.empty(S, H, 2, CHUNK, **f32), v=v, beta=beta,
+        solved=solve)
     if n_slots > 0 and H > 0:
         load_a = given_a is not None
         # per (slot, head): 1 where the chunk's whole-chunk factors may exceed e^SPAN (not used when reading A)
@@ -675,28 +692,33 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
                 flag if flag.numel() else aqk, float(scale), H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=SPAN,
                 STORE_A=keep_a and not load_a, LOAD_A=load_a, BLOCKS=blocks, num_warps=warps,
                 num_stages=CHUNK_STAGES, maxnreg=chunk_maxnreg)  # (FLAG is not touched unless used)
-        BC = min(SOLVE_COLUMNS, BK, BV)
-        _solve_kernel[(n_slots * ((BK + BV) // BC), H)](
-            v, beta, chunk_map, cu, cp.W, cp.U, ai, H=H, V=V, BK=BK, BV=BV, BC=BC, AIS=ai.stride(1), num_warps=warps)
+        if solve:
+            BC = min(SOLVE_COLUMNS, BK, BV)
+            _solve_kernel[(n_slots * ((BK + BV) // BC), H)](
+                v, beta, chunk_map, cu, cp.W, cp.U, ai, H=H, V=V, BK=BK, BV=BV, BC=BC, AIS=ai.stride(1),
+                num_warps=warps)
     return cp
 
 
 def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_output: bool, HS=None, VN=None):
-    """Launch the state kernel: o and the final state, or (``split_output``, o None) the final
-    state, the state entering every chunk into HS and v_new into VN. On Hopper, for K in 65..128 with
-    64 V columns per program and o wanted, the Gluon kernel of ``kda_fp32_gluon`` (the same results,
-    bitwise; H200, T = 16384, H = 64, K = V = 128: 1767 against 2354 us); ``warps`` is the Triton kernel's."""
+    """Launch the state kernel: o and the final state (``cp`` not solved: v_new = A⁻¹(βv − R·h) per
+    chunk), or (``split_output``, o None, ``cp`` solved) the final state, the state entering every chunk
+    into HS and v_new = u − w·h into VN. On Hopper, for K in 65..128 with 64 V columns per program and o
+    wanted, the Gluon kernel of ``kda_fp32_gluon`` (the same results, bitwise); ``warps`` is the Triton
+    kernel's."""
     if cp.N == 0 or cp.H == 0:
         return
+    if split_output != cp.solved:
+        raise ValueError("kda_fp32 state_pass: split_output needs a solved ChunkPass (w, u), o an unsolved one")
     if kda_fp32_gluon.usable(final.device, cp.BK, cp.BVT, split_output):
         kda_fp32_gluon.state_pass_gluon(cp, o, initial_state, final)
     else:
         h0 = initial_state.contiguous() if initial_state is not None else final
         _state_kernel[(cp.BV // cp.BVT, cp.H, cp.N)](
-            cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, final if o is None else o, h0, final, cp.cu, cp.first_slot,
-            final if HS is None else HS, final if VN is None else VN,
-            H=cp.H, K=cp.K, V=cp.V, BK=cp.BK, BV=cp.BV, BVT=cp.BVT, HAS_H0=initial_state is not None,
-            SPLIT=split_output, num_warps=warps, num_stages=STATE_STAGES)
+            cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, cp.AI, cp.v, cp.beta, final if o is None else o, h0, final,
+            cp.cu, cp.first_slot, final if HS is None else HS, final if VN is None else VN,
+            H=cp.H, K=cp.K, V=cp.V, BK=cp.BK, BV=cp.BV, BVT=cp.BVT, AIS=cp.AI.stride(1),
+            HAS_H0=initial_state is not None, SPLIT=split_output, num_warps=warps, num_stages=STATE_STAGES)
 
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
@@ -728,7 +750,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     o = torch.empty(v.shape, device=v.device, dtype=v.dtype)  # stored in v's dtype by the state kernel
     q, k, v, g, beta = contiguous_inputs(q, k, v, g, beta)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
-                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a)
+                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a, solve=split_output)
     final = torch.empty(cp.N, cp.H, cp.K, cp.V, device=q.device, dtype=torch.float32)
     kept = (cp.AQK, cp.AI) if keep_a else ()
     if not split_output:
