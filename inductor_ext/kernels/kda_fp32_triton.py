@@ -72,11 +72,15 @@ from inductor_ext.ops.kda import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_count
 __all__ = ["kda_fp32_fwd", "MAX_DIM", "SPAN"]
 
 MAX_DIM = FP32_KERNEL_MAX_DIM  # head dims K, V
-# the state pass's loop over chunks keeps the loads of 2 chunks in flight (cp.async into shared memory:
+# the split state pass (the backward's) keeps the loads of 2 chunks in flight (cp.async into shared memory:
 # 196 KB at K = 128, block_v 64). H200, T = 16384, H = 64, K = V = 128: 2359-2399 us against 2698-2707
 # for the unpipelined loop at block_v 32 (block_v 32 with 2 stages: 3178-3196 us, 155 KB, one program
 # per SM; 3 stages need 278 KB, more than an SM has)
 STATE_STAGES = 2
+# the forward's fused state pass (v_new solved in the loop: A⁻¹ and v loaded as well) is not pipelined: at 2
+# stages it needs 246 KB of shared memory at K = 128, block_v 64 (sm_90 static compile), more than an SM has;
+# 98 KB at 1. On Hopper that geometry runs the Gluon kernel instead
+FUSED_STATE_STAGES = 1
 # the chunk kernel's loops are not software-pipelined: H200, same size, 4.61 ms at 1 stage against 4.96 at
 # Triton's default 3 (5.05 at 2) keeping A, and 2.10 against 2.24 ms reading it (the backward's call)
 CHUNK_STAGES = 1
@@ -468,7 +472,7 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, AI, v, beta, o, h0, ht, cu, first_slo
     c64 = tl.arange(0, 64)
     ha, hb = _load_state(h0, off_a, off_b, m_a, m_b, HAS_H0, KS, BVT)
     n_chunks = tl.cdiv(length, 64).to(tl.int32)
-    for it in range(n_chunks):  # software-pipelined: the next chunks' loads in flight (STATE_STAGES)
+    for it in range(n_chunks):  # SPLIT: software-pipelined, the next chunks' loads in flight (STATE_STAGES)
         slot = (slot0 + it).to(tl.int64) * H + i_h
         p_w = W + slot * (64 * BK) + r[:, None] * BK + ck[None, :]
         p_q = QG + slot * (64 * BK) + r[:, None] * BK + ck[None, :]
@@ -718,7 +722,8 @@ def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_outp
             cp.QG, cp.KGT, cp.W, cp.U, cp.AQK, cp.DEC, cp.AI, cp.v, cp.beta, final if o is None else o, h0, final,
             cp.cu, cp.first_slot, final if HS is None else HS, final if VN is None else VN,
             H=cp.H, K=cp.K, V=cp.V, BK=cp.BK, BV=cp.BV, BVT=cp.BVT, AIS=cp.AI.stride(1),
-            HAS_H0=initial_state is not None, SPLIT=split_output, num_warps=warps, num_stages=STATE_STAGES)
+            HAS_H0=initial_state is not None, SPLIT=split_output, num_warps=warps,
+            num_stages=STATE_STAGES if split_output else FUSED_STATE_STAGES)
 
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
