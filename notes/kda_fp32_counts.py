@@ -3,8 +3,9 @@ K = V = 128, 64-token chunks, FP32 intermediates; inputs q, k, v, beta, do and t
 dbeta in FP32 or BF16 (g and dg stay FP32); times at T = 16384, H = 64 (16384 pairs) for 395 TFLOP/s TF32
 (three MMAs per _dot3) and 4.3 TB/s. Re-reads of the same tile by several programs (the state pass's
 two V-block programs, K4b's four K-slices) are counted as HBM bytes: L2 hits are not separated. Prints
-the tables of notes/kda-fp32-kernels.md, session 17 (session 15-16: g read a second time by the chunk
-kernel's Σ|g| bound; session 14: the solve inside the chunk kernel;
+the tables of notes/kda-fp32-kernels.md, session 18 (session 17: the forward ran the solve kernel and its
+state pass read u; session 15-16: g read a second time by the chunk kernel's Σ|g| bound; session 14: the
+solve inside the chunk kernel;
 session 13: FP32 inputs only; session 12: a two-pass finish kernel; session 11: one chunk-gradient kernel)."""
 C, K, V = 64, 128, 128
 S = 4  # K-slices of 32 keys
@@ -16,8 +17,8 @@ def tile(r, c):
 
 
 # stage: (MACs, FP32 elements read, input elements read, FP32 elements written, input-dtype elements written)
-# the solve kernel: A⁻¹ read by each of its four 64-column programs (L2 hits not separated), the
-# right-hand side βk̂e^{gc} read and overwritten by w, v and beta read (beta by the two u programs), u written
+# the solve kernel (the backward's): A⁻¹ read by each of its four 64-column programs (L2 hits not separated),
+# the right-hand side βk̂e^{gc} read and overwritten by w, v and beta read (beta by the two u programs), u written
 SOLVE = (C * C * (K + V), tile(C, K) + 4 * tile(C, C), tile(C, V) + 2 * C, tile(C, K) + tile(C, V), 0)
 FORWARD = {
     # both launches, keeping A: norms and slices (q, k, g, beta); qg, kgᵀ,
@@ -25,10 +26,11 @@ FORWARD = {
     # products 2·C·C·K MACs (the inverse's elimination, about 0.2 M more, is not counted)
     "K1 chunk kernel, keeping A": (2 * C * C * K, tile(C, K), 2 * tile(C, K) + C,
                                    3 * tile(C, K) + 3 * tile(C, C) + K + 2 * C, 0),
-    "K1b solve kernel (w, u)": SOLVE,
-    "K2 state pass with o (two V-block programs)": (3 * C * K * V + C * C * V,
-                                                    V_BLOCKS * (3 * tile(C, K) + tile(C, C) + K) + tile(C, V), 0,
-                                                    0, tile(C, V)),
+    # per V-block program R = βk̂e^{gc}, qg, kgᵀ, A⁻¹, Aqk, e^{gc_last}; v (its columns) and beta; o written.
+    # Products R·h, qg·h, kgᵀ·v_new (C·K·V each) and A⁻¹·(βv − R·h), Aqk·v_new (C·C·V each)
+    "K2 state pass with o, solving v_new (two V-block programs)": (
+        3 * C * K * V + 2 * C * C * V, V_BLOCKS * (3 * tile(C, K) + 2 * tile(C, C) + K),
+        tile(C, V) + V_BLOCKS * C, 0, tile(C, V)),
 }
 BACKWARD = {
     "K1 kept A (qg, kgT, w's right-hand side)": (0, tile(C, K), 2 * tile(C, K) + C, 3 * tile(C, K) + K + 2 * C, 0),

@@ -171,6 +171,35 @@ def test_fp32_inputs_match_fp64_recurrence(case, variant, dots):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("variant, solves", [("fused", 0), ("split-output", 1)])
+def test_only_the_split_forward_runs_the_solve_kernel(variant, solves, monkeypatch):
+    """The forward's state pass solves v_new = A⁻¹(βv − R·h) itself: no solve kernel (w, u) unless the
+    state pass is split (the backward's form, which reads w and u)."""
+    launches = []
+    solve = kda_fp32_triton._solve_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return solve[grid]
+
+    monkeypatch.setattr(kda_fp32_triton, "_solve_kernel", Counted())
+    inputs = make_inputs(CASES[0], torch.float32)
+    _check_fp32(f"solve launches {variant}", *_run(inputs, **VARIANTS[variant]), *_reference(inputs))
+    assert len(launches) == solves
+
+
+@needs_interpreter
+def test_state_pass_rejects_a_chunk_pass_of_the_other_form():
+    inputs = make_inputs(CASES[0], torch.float32)
+    cp = kda_fp32_triton.chunk_pass(*(inputs[n] for n in ARGS), 0.1, inputs["cu_seqlens"], block_k=32, block_v=64,
+                                    warps=4, chunk_maxnreg=None, solve=False)
+    final = torch.empty(cp.N, cp.H, cp.K, cp.V)
+    with pytest.raises(ValueError, match="split_output needs a solved ChunkPass"):
+        kda_fp32_triton.state_pass(cp, None, None, final, warps=4, split_output=True)
+
+
+@needs_interpreter
 def test_unpacked_batch_restarts_state_per_sequence(dots):
     """B = 2 without cu_seqlens is the same computation as the two sequences packed."""
     packed = make_inputs(Case("2x70", (70, 70), heads=2, k_dim=32, v_dim=32, initial_state=True), torch.float32)

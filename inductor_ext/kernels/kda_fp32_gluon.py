@@ -2,27 +2,32 @@
 
 The same computation as ``kda_fp32_triton._state_kernel`` without ``SPLIT``, bitwise (the same three
 TF32 products per tile, summed in the same order): one program per (64 V columns, head, document),
-sequential over the document's chunks, per chunk ``v_new = u − w·h``, ``o = qg·h + Aqk·v_new`` (stored
-in o's dtype) and ``h ← e^{gc_last}·h + kgᵀ·v_new``, the state ``h`` ``[128, 64]`` FP32 carried across the
-loop as its TF32 halves in shared memory.
+sequential over the document's chunks, per chunk ``v_new = A⁻¹(βv − R·h)`` (R = β k̂ e^{gc}, w's
+right-hand side, which the chunk kernel stores in ``W``; v and beta the op's inputs), ``o = qg·h +
+Aqk·v_new`` (stored in o's dtype) and ``h ← e^{gc_last}·h + kgᵀ·v_new``, the state ``h`` ``[128, 64]`` FP32
+carried across the loop as its TF32 halves in shared memory.
 Written in Gluon because Triton waits for every ``tl.dot`` of that loop before the next instruction and
 spills at 255 registers: H200, T = 16384, H = 64, K = V = 128, Nsight Compute on the Triton kernel, 34 %
 of its stall samples wait for a warpgroup MMA to finish and its spills hit L1 6 % of the time (196 KB of
 staged loads leave little L1); ``notes/kda-fp32-kernels.md``, session 16. Here:
 
-- every operand tile (w, qg, kgᵀ in 64-column halves, u, Aqk) goes global -> shared memory by
-  ``cp.async`` into a ring of four 64×64 slots, each refilled three tiles ahead of its use;
-- the tiles' TF32 hi/lo halves are A operands in registers; the state's and v_new's halves, the B
-  operands, are staged in shared memory once per chunk (K-major, as TF32 wgmma reads them);
+- every operand tile (R, qg, kgᵀ in 64-column halves, A⁻¹, Aqk) goes global -> shared memory by
+  ``cp.async`` into a ring of four 64×64 slots, each refilled three tiles ahead of its use; the
+  chunk's v rows and beta are loaded into registers;
+- the tiles' TF32 hi/lo halves are A operands in registers; the halves of the state, of βv − R·h
+  and of v_new, the B operands, are staged in shared memory once per chunk (K-major, as TF32 wgmma
+  reads them);
 - each three-product ``warpgroup_mma`` runs asynchronously while the next tile is loaded and
   split, so one product is waited for at a time instead of each MMA.
 
 Only this geometry: K in 65..128 (the chunk kernel's BK = 128), 64 V columns per program, no
 ``split_output``; :func:`usable` says when, and ``kda_fp32_triton.state_pass`` takes the Triton
-kernel otherwise. Shared memory 160 KB, 8 warps (two warpgroups splitting the 64 V columns; at 4
-warps ptxas spills 304 bytes per thread). H200, same size, alone: 1758-1767 us against the Triton
-kernel's 2322-2354; the tensor cores are busy 42 % of the time (Nsight Compute), and the shared-memory
-queue is the next limit.
+kernel otherwise. Shared memory 192 KB, 8 warps (two warpgroups splitting the 64 V columns; at 4
+warps ptxas spilled 304 bytes per thread), 250 registers. H200, same size: with u − w·h from a separate
+solve kernel (session 16), alone, 1758-1767 us against the Triton kernel's 2322-2354, the tensor
+cores busy 42 % of the time (Nsight Compute), the shared-memory queue the next limit; solving v_new
+here (eight products per chunk instead of seven) took the forward from 5316 to 4815 us without the
+solve kernel (session 18; this kernel alone was not timed).
 """
 
 from __future__ import annotations

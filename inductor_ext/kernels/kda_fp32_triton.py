@@ -6,8 +6,9 @@ Same semantics as the forward of ``glm53::kda_chunk(..., precision="fp32")`` (``
 per-key natural-log decay (≤ 0) accumulated inside 64-token chunks that restart at every document
 start, beta per (token, head), o in v's dtype, final state FP32 ``[N,H,K,V]``. K, V ≤ 128.
 
-Three kernels, no host synchronisation (the chunk list has the static length ``ceil(T/64) + N - 1``
-when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
+Two kernels, or three with ``split_output`` and in the backward, no host synchronisation (the chunk
+list has the static length ``ceil(T/64) + N - 1`` when packed, ``B·ceil(T/64)`` otherwise, and is
+filled on the device):
 
 1. ``_chunk_kernel``, one program per (chunk slot, head), fully parallel. Reads q, k, g, beta (q
    and k a second time after their norms) and writes, chunk-major FP32:
@@ -38,16 +39,19 @@ when packed, ``B·ceil(T/64)`` otherwise, and is filled on the device):
    with small dots. L = A − I is stored first into A⁻¹'s own slot, and the sweep's rows and the
    elimination's column blocks are loaded back from there (L1/L2) instead of selected out of
    registers by reductions (session 17: 104 us of the chunk kernel's 3.1 ms).
-2. ``_solve_kernel``, one program per (64 columns, chunk slot, head): ``w = A⁻¹(β k̂ e^{gc})`` in
-   place of its right-hand side and ``u = A⁻¹(β v)``, by :func:`_dot3t`. H200, T = 16384, H = 64,
-   K = V = 128, BF16 inputs: the chunk kernel's solve took about 1 ms of its 4.15; on its own,
-   chunk kernel 3.17 ms + this kernel 0.80 ms, forward 6558 -> 6339 us (session 15).
+2. ``_solve_kernel`` (``split_output`` and the backward only), one program per (64 columns, chunk
+   slot, head): ``w = A⁻¹(β k̂ e^{gc})`` in place of its right-hand side and ``u = A⁻¹(β v)``, by
+   :func:`_dot3t` (H200, T = 16384, H = 64, K = V = 128, BF16 inputs: 0.80 ms, session 15).
 3. ``_state_kernel``, one program per (V-block, head, document), sequential over the document's
    chunks with the state ``[K, BV]`` in registers (as 64-row tiles, so no dot operand exceeds
-   [64, 64]): ``v_new = u - w·h``, ``o = qg·h + Aqk·v_new`` (stored in v's dtype),
-   ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global memory. On Hopper,
-   for the H200 geometry (K in 65..128, 64 V columns per program), ``kda_fp32_gluon``'s Gluon kernel
-   instead: the same products, bitwise, with asynchronous MMAs (session 16: 2354 -> 1767 us alone).
+   [64, 64]): ``v_new = A⁻¹(βv − R·h)`` with R = β k̂ e^{gc} (w's right-hand side; with
+   ``split_output``, ``v_new = u − w·h`` from the solve kernel's w and u), ``o = qg·h + Aqk·v_new``
+   (stored in v's dtype), ``h ← e^{gc_last}·h + kgᵀ·v_new``. The per-chunk states never reach global
+   memory. Solving in the state pass costs it one more ``_dot3`` per chunk and spares the forward the
+   solve kernel's memory traffic: H200, same size, forward 5316 -> 4815 us (session 18). On Hopper,
+   for the H200 geometry (K in 65..128, 64 V columns per program, o wanted), ``kda_fp32_gluon``'s Gluon
+   kernel instead: the same products, bitwise, with asynchronous MMAs (session 16: 2354 -> 1767 us alone,
+   before the solve moved in).
 
 Dot precisions: every dot is ``_dot3`` (the solve's as :func:`_dot3t`, the same products; hi/lo split,
 three TF32 MMAs, FP32-grade products at tensor-core speed): Triton's ``tf32x3`` arithmetic with a
@@ -744,9 +748,9 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     ``chunk_maxnreg`` caps the chunk kernel's registers per thread (None: ptxas' choice, 255 with
     spills): 168 measured fastest on the H200 (T=16384, H=64, tf32x3 dots: 7.0 vs 8.5 ms; 128: 7.6;
     192: 9.0; ``_dot3``: 6.2 ms, 128: 6.7).
-    ``split_output``: the state pass only carries the state (two dots per chunk on its sequential
-    path instead of four) and stores each chunk's entering state and v_new (FP32, 1.6 GB at
-    T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
+    ``split_output``: the solve kernel computes w and u, the state pass only carries the state
+    (``v_new = u − w·h``, then ``kgᵀ·v_new``) and stores each chunk's entering state and v_new (FP32,
+    1.6 GB at T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
     ``keep_a``: also return (Aqk ``[S,H,64,64]``, AI ``[S,H,2,64,64]``: A⁻¹ and the k̂–k̂ products),
     chunk-major FP32 with S = ``inductor_ext.ops.kda.chunk_slots``, for ``kda_fp32_bwd(..., given_a=...)``.
     """
