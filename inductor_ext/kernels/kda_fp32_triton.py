@@ -343,9 +343,10 @@ def _chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, F
                   H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr, EPS: tl.constexpr,
                   SPAN: tl.constexpr, STORE_A: tl.constexpr, LOAD_A: tl.constexpr, BLOCKS: tl.constexpr):
     # AI: per slot A⁻¹, then with STORE_A the k̂–k̂ products (no β, j < i; the backward reads them);
-    # W gets the right-hand side β k̂ e^{gc} of w, which _solve_kernel turns into w. LOAD_A: Aqk and
-    # AI hold a previous call's results: skip the decay products and the inverse, recompute only qg,
-    # kgᵀ, w's right-hand side and e^{gc_last}. Otherwise two launches: without BLOCKS a program
+    # W gets the right-hand side β k̂ e^{gc} of w (the forward's state pass reads it; _solve_kernel turns
+    # it into w for the split pass and the backward). LOAD_A: Aqk and AI hold a previous call's
+    # results: skip the decay products and the inverse, recompute only qg, kgᵀ, w's right-hand side
+    # and e^{gc_last}. Otherwise two launches: without BLOCKS a program
     # computes its chunk while every slice's whole-chunk exponents stay within SPAN, stops at the first
     # slice where they do not and then flags the chunk in FLAG; with BLOCKS a program computes only a
     # flagged chunk
