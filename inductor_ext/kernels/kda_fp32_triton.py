@@ -495,10 +495,8 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, AI, v, beta, o, h0, ht, cu, first_slo
                 tl.store(HS + p_h + 64 * BV, hb)
             tl.store(VN + p_u, vn)
         else:
-            tok = bos + it * 64 + r
-            live = r < length - it * 64
-            vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + cv[None, :],
-                         mask=live[:, None] & (cv < V)[None, :], other=0.0).to(tl.float32)
+            tok, live, m_o = _chunk_rows(bos, length, it, r, cv, V)
+            vx = tl.load(v + tok[:, None] * (H * V) + i_h * V + cv[None, :], mask=m_o, other=0.0).to(tl.float32)
             b = tl.load(beta + tok * H + i_h, mask=live, other=0.0).to(tl.float32)
             x = tl.fma(vx, b[:, None], -wh)  # (one rounding, as the Gluon kernel's)
             vn = _dot3(tl.load(AI + slot * AIS + r[:, None] * 64 + c64[None, :]), x)
@@ -507,6 +505,14 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, AI, v, beta, o, h0, ht, cu, first_slo
         if TWO:
             hb = hb * tl.load(p_d + 64)[:, None] + _dot3(tl.load(p_k + 64 * 64), vn)
     _store_state(ht, ha, hb, off_a, off_b, m_a, m_b, TWO)
+
+
+@triton.jit
+def _chunk_rows(bos, length, t, r, cv, V: tl.constexpr):
+    """Chunk t of a document (first token bos, ``length`` tokens): its token indices, which rows lie
+    inside the document, and the mask of its [64, BVT] tile of V columns cv."""
+    live = r < length - t * 64
+    return bos + t * 64 + r, live, live[:, None] & (cv < V)[None, :]
 
 
 @triton.jit
@@ -519,8 +525,7 @@ def _store_output(p_q, ha, hb, aqk, vn, o, bos, length, t, i_h, r, cv, H: tl.con
         ov += _dot3(tl.load(p_q + 64), hb)
     c64 = tl.arange(0, 64)
     ov += _dot3(tl.load(aqk + r[:, None] * 64 + c64[None, :]), vn)
-    tok = bos + t * 64 + r
-    m_o = (r < length - t * 64)[:, None] & (cv < V)[None, :]
+    tok, _, m_o = _chunk_rows(bos, length, t, r, cv, V)
     tl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
 
 
