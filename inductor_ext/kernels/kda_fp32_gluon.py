@@ -9,25 +9,28 @@ carried across the loop as its TF32 halves in shared memory.
 Written in Gluon because Triton waits for every ``tl.dot`` of that loop before the next instruction and
 spills at 255 registers: H200, T = 16384, H = 64, K = V = 128, Nsight Compute on the Triton kernel, 34 %
 of its stall samples wait for a warpgroup MMA to finish and its spills hit L1 6 % of the time (196 KB of
-staged loads leave little L1); ``notes/kda-fp32-kernels.md``, session 16. Here:
+staged loads leave little L1); ``notes/kda-fp32-kernels.md``, session 16. Here, per chunk, five
+products of three TF32 MMAs each:
 
-- every operand tile (R, qg, kgᵀ in 64-column halves, A⁻¹, Aqk) goes global -> shared memory by
-  ``cp.async`` into a ring of four 64×64 slots, each refilled three tiles ahead of its use; the
-  chunk's v rows and beta are loaded into registers;
-- the tiles' TF32 hi/lo halves are A operands in registers; the halves of the state, of βv − R·h
-  and of v_new, the B operands, are staged in shared memory once per chunk (K-major, as TF32 wgmma
-  reads them);
-- each three-product ``warpgroup_mma`` runs asynchronously while the next tile is loaded and
-  split, so one product is waited for at a time instead of each MMA.
+- tiles that multiply the same B operand are stacked into one [128, 64] A operand, one 64-row tile per
+  warpgroup: ``[R; qg]`` over K 0-63 and over K 64-127 (times the state's two halves: R·h in the
+  first warpgroup's rows, qg·h in the second's) and ``[kgᵀ over K 0-63; kgᵀ over K 64-127]`` times
+  v_new (the next state, both halves); A⁻¹·x and Aqk·v_new are [64, 64] products with each warpgroup
+  on 32 columns;
+- the tiles go global -> shared memory by ``cp.async`` into a ring of three [128, 64] slots (the pair
+  tiles in two slots alternating by chunk parity, A⁻¹ and Aqk in the third), each issued at least one
+  product ahead of its use; the chunk's v rows and beta are loaded into registers at its start;
+- the tiles' TF32 hi/lo halves are A operands in registers; the halves of the state, of x = βv − R·h
+  (with −qg·h below it, for o) and of v_new, the B operands, are staged in shared memory once per
+  chunk (K-major, as TF32 wgmma reads them);
+- each product runs asynchronously while the next tile is loaded and split; Aqk·v_new is issued before
+  kgᵀ·v_new is waited for.
 
 Only this geometry: K in 65..128 (the chunk kernel's BK = 128), 64 V columns per program, no
 ``split_output``; :func:`usable` says when, and ``kda_fp32_triton.state_pass`` takes the Triton
-kernel otherwise. Shared memory 192 KB, 8 warps (two warpgroups splitting the 64 V columns; at 4
-warps ptxas spilled 304 bytes per thread), 250 registers. H200, same size: with u − w·h from a separate
-solve kernel (session 16), alone, 1758-1767 us against the Triton kernel's 2322-2354, the tensor
-cores busy 42 % of the time (Nsight Compute), the shared-memory queue the next limit; solving v_new
-here (eight products per chunk instead of seven) took the forward from 5316 to 4815 us without the
-solve kernel (session 18; this kernel alone was not timed).
+kernel otherwise. Shared memory 224 KB, 8 warps, 255 registers, no spills (static sm_90 compile). H200,
+same size, alone on the chunk kernel's real intermediates (``notes/kda-fp32-kernels.md``, session 19):
+2016-2030 us with eight [64, 64] products per chunk (session 18's kernel), 1832-1839 us in this form.
 """
 
 from __future__ import annotations
@@ -43,10 +46,7 @@ __all__ = ["state_pass_gluon", "usable", "BK", "BVT", "WARPS"]
 # the geometry, written into the kernel as its literals 128 and 64
 BK = 128  # the chunk kernel's padded K: the state as two 64-row halves
 BVT = 64  # V columns per program
-# H200, T = 16384, H = 64, K = V = 128, alone: 1767 us at 8 warps, 1906 at 4 (Triton's kernel: 2354)
-WARPS = 8
-_TILES = gl.constexpr(8)  # operand tiles per chunk, in the order of use (see _tile_ptr)
-_RING = gl.constexpr(4)  # shared-memory slots they cycle through
+WARPS = 8  # two warpgroups (the layouts P and S of the kernel assume them)
 
 
 def usable(device: torch.device, bk: int, bvt: int, split_output: bool) -> bool:
@@ -64,80 +64,88 @@ def _split(x):
 
 
 @gluon.jit
-def _tile_ptr(QG, KGT, R, AI, AQK, slot, J: gl.constexpr, r, c, AIS: gl.constexpr):
-    """[64, 64] pointers of tile J of a chunk, in the order of use: R[:, :64], R[:, 64:], qg[:, :64],
-    A⁻¹, qg[:, 64:], Aqk, kgᵀ[:64], kgᵀ[64:]."""
-    if J < 2:
-        p = R + slot * (64 * 128) + r[:, None] * 128 + 64 * J + c[None, :]
-    elif J == 2 or J == 4:
-        p = QG + slot * (64 * 128) + r[:, None] * 128 + 32 * (J - 2) + c[None, :]
-    elif J == 3:
-        p = AI + slot * AIS + r[:, None] * 64 + c[None, :]
-    elif J == 5:
-        p = AQK + slot * 4096 + r[:, None] * 64 + c[None, :]
-    else:
-        p = KGT + slot * (128 * 64) + (64 * (J - 6) + r[:, None]) * 64 + c[None, :]
-    return p
-
-
-@gluon.jit
-def _fetch(ring, QG, KGT, R, AI, AQK, slot0, t, i_h, n_chunks, J: gl.constexpr, r, c,
-           H: gl.constexpr, AIS: gl.constexpr):
-    """cp.async tile J of chunk t into ring slot J % 4 as one commit group (nothing past the
-    document's last chunk)."""
-    slot = (slot0 + gl.maximum(gl.minimum(t, n_chunks - 1), 0)).to(gl.int64) * H + i_h
-    p = _tile_ptr(QG, KGT, R, AI, AQK, slot, J, r, c, AIS)
-    async_copy.async_copy_global_to_shared(ring.index(J % _RING), p, mask=(r[:, None] >= 0) & (t < n_chunks))
+def _fetch_pair(dst, TOP, BOT, t, n_chunks, r2, c, RS: gl.constexpr):
+    """cp.async a [128, 64] tile of chunk t into dst, rows 0-63 from TOP and 64-127 from BOT (rows RS
+    floats apart; nothing past the document's last chunk), as one commit group."""
+    p = gl.where(r2 < 64, TOP + r2 * RS, BOT + (r2 - 64) * RS)[:, None] + c[None, :]
+    async_copy.async_copy_global_to_shared(dst, p, mask=(r2 >= 0)[:, None] & (t < n_chunks))
     async_copy.commit_group()
 
 
 @gluon.jit
-def _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, J: gl.constexpr, r, c,
-            H: gl.constexpr, AIS: gl.constexpr):
-    """Before tile J of chunk it is read: wait for its copy (two later groups may still be in flight),
-    then, every warp being past tile J-1, refill J-1's slot with the tile three ahead of J."""
-    async_copy.wait_group(2)
-    gl.thread_barrier()
-    _fetch(ring, QG, KGT, R, AI, AQK, slot0, it + (J + 3) // _TILES, i_h, n_chunks, (J + 3) % _TILES, r, c, H, AIS)
+def _fetch_tile(dst, X, t, n_chunks, off):
+    """cp.async the [64, 64] tile X + off of chunk t into dst (nothing past the document's last chunk),
+    as one commit group."""
+    async_copy.async_copy_global_to_shared(dst, X + off, mask=(off >= 0) & (t < n_chunks))
+    async_copy.commit_group()
 
 
 @gluon.jit
-def _operand(ring, J: gl.constexpr, a_layout: gl.constexpr):
-    """Tile J's TF32 halves as A operands in registers."""
-    return _split(ring.index(J % _RING).load(a_layout))
+def _mma3(a, b_hi, b_lo, mma: gl.constexpr):
+    """Issue a·b as ``_dot3`` does (lo·hi, hi·lo, then hi·hi, from zero), asynchronously; a = (hi, lo)
+    in registers. Three wgmma groups."""
+    acc = gl.zeros(a[0].shape, dtype=gl.float32, layout=mma)
+    acc = warpgroup_mma(a[1], b_hi, acc, is_async=True)
+    acc = warpgroup_mma(a[0], b_lo, acc, is_async=True)
+    return warpgroup_mma(a[0], b_hi, acc, is_async=True)
 
 
 @gluon.jit
-def _mma3(a_hi, a_lo, b_hi, b_lo, mma: gl.constexpr):
-    """Issue a·b as ``_dot3`` does (lo·hi, hi·lo, then hi·hi, from zero), asynchronously."""
-    acc = gl.zeros([64, 64], dtype=gl.float32, layout=mma)
-    acc = warpgroup_mma(a_lo, b_hi, acc, is_async=True)
-    acc = warpgroup_mma(a_hi, b_lo, acc, is_async=True)
-    return warpgroup_mma(a_hi, b_hi, acc, is_async=True)
-
-
-@gluon.jit
-def _done(acc, a_hi, a_lo):
-    """Wait for the product in flight (its A registers stay untouched until then); its result."""
-    acc, a_hi, a_lo = warpgroup_mma_wait(0, deps=[acc, a_hi, a_lo])
+def _done(acc, a, pending: gl.constexpr = 0):
+    """Wait for the product (issued with A operand a, whose registers stay untouched until then) while
+    ``pending`` later wgmma groups may still run; its result."""
+    acc, a_hi, a_lo = warpgroup_mma_wait(pending, deps=[acc, a[0], a[1]])
     return acc
 
 
 @gluon.jit
-def _stage(x, smem, i: gl.constexpr):
-    """x's TF32 halves into B-operand slots i, i + 1."""
+def _b_buffers(layout: gl.constexpr):
+    """A [128, 64] FP32 B operand's hi and lo buffers, each its own allocation (so that the compiler's
+    shared-memory hazard analysis sees them apart) with a leading dimension of 1 for :func:`_rows`."""
+    return (gl.allocate_shared_memory(gl.float32, [1, 128, 64], layout),
+            gl.allocate_shared_memory(gl.float32, [1, 128, 64], layout))
+
+
+@gluon.jit
+def _stage(x, smem, z=0):
+    """x's TF32 halves into B-operand buffers (hi, lo), fenced for wgmma."""
     hi, lo = _split(x)
-    smem.index(i).store(hi)
-    smem.index(i + 1).store(lo)
+    smem[0].index(z).store(hi)
+    smem[1].index(z).store(lo)
+    fence_async_shared()
+
+
+@gluon.jit
+def _rows(smem, start: gl.constexpr, z):
+    """Rows start..start+63 (the K dimension) of B-operand buffers (hi, lo). ``z`` is always 0 but
+    opaque to the compiler: the wgmma descriptors of these views are then computed where they are used
+    instead of being hoisted out of the chunk loop, where their 64-bit values took the registers ptxas
+    then spilled (152 bytes per thread; H200, T = 16384, H = 64: 1946 -> 1857 us)."""
+    return smem[0].index(z).slice(start, 64, 0), smem[1].index(z).slice(start, 64, 0)
+
+
+@gluon.jit
+def _state_offsets(i_n, i_h, rk, cv, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+    """Offsets of the [128, 64] state tile (K rows rk, V columns cv) of document i_n, head i_h."""
+    return ((i_n * H + i_h) * K + rk[:, None]).to(gl.int64) * V + cv[None, :]
+
+
+@gluon.jit
+def _state_mask(rk, cv, K: gl.constexpr, V: gl.constexpr):
+    return (rk[:, None] < K) & (cv < V)[None, :]
 
 
 @gluon.jit
 def _state_kernel_gluon(QG, KGT, R, AI, AQK, DEC, v, beta, o, h0, ht, cu, first_slot,
                         H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, AIS: gl.constexpr, HAS_H0: gl.constexpr):
-    WG: gl.constexpr = gl.num_warps() // 4
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, 64 // WG, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=1)
-    copy_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4 * WG, 1], [1, 0])
+    # layouts: P for [128, 64] products of two stacked tiles sharing one B operand, each warpgroup
+    # computing one tile's 64 rows; S for [64, 64] products, each warpgroup 32 of the columns
+    P: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 64, 8])
+    S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 8])
+    a_p: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=P, k_width=1)
+    a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S, k_width=1)
+    copy_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+    b_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2, transposed=True)
     i_v = gl.program_id(0)
     i_h = gl.program_id(1)
     i_n = gl.program_id(2)
@@ -146,86 +154,93 @@ def _state_kernel_gluon(QG, KGT, R, AI, AQK, DEC, v, beta, o, h0, ht, cu, first_
     slot0 = gl.load(first_slot + i_n)
     n_chunks = ((length + 63) // 64).to(gl.int32)
     r = gl.arange(0, 64, layout=gl.SliceLayout(1, copy_l))
+    r2 = gl.arange(0, 128, layout=gl.SliceLayout(1, copy_l))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, copy_l))
-    rm = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))  # rows of the MMA-layout tiles: tokens or K
-    cv = i_v * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))  # this program's V columns
-    ring = gl.allocate_shared_memory(gl.float32, [_RING, 64, 64],
+    o64 = r[:, None] * 64 + c[None, :]  # a [64, 64] tile's offsets
+    rp = gl.arange(0, 128, layout=gl.SliceLayout(1, P))  # rows of P tiles: K, or tokens (first half)
+    cp = i_v * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, P))  # this program's V columns
+    rs = gl.arange(0, 64, layout=gl.SliceLayout(1, S))
+    cs = i_v * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, S))
+    # the ring: slots 0 and 1 alternate by chunk parity ("even" holds [R; qg] over K 0-63, then kgᵀ;
+    # "odd" [R; qg] over K 64-127, then the next chunk's first tile); slot 2 holds A⁻¹ and Aqk
+    ring = gl.allocate_shared_memory(gl.float32, [3, 128, 64],
                                      gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
-    b_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2, transposed=True)
-    hs = gl.allocate_shared_memory(gl.float32, [4, 64, 64], b_sl)  # h's hi, lo (K rows 0-63), hi, lo (64-127)
-    xs = gl.allocate_shared_memory(gl.float32, [2, 64, 64], b_sl)  # βv − R·h's hi, lo
-    vs = gl.allocate_shared_memory(gl.float32, [2, 64, 64], b_sl)  # v_new's hi, lo
-    for J in gl.static_range(3):
-        _fetch(ring, QG, KGT, R, AI, AQK, slot0, 0, i_h, n_chunks, J, r, c, H, AIS)
-    off = ((i_n * H + i_h) * K + rm[:, None]).to(gl.int64) * V + cv[None, :]
-    m_a = (rm[:, None] < K) & (cv < V)[None, :]
-    m_b = (rm[:, None] + 64 < K) & (cv < V)[None, :]
+    a_inv = ring.index(2).slice(0, 64, 0)
+    a_qk = ring.index(2).slice(64, 64, 0)
+    hs = _b_buffers(b_sl)  # the state h [K, V]
+    xs = _b_buffers(b_sl)  # rows 0-63: x = βv − R·h; 64-127: −qg·h, then v_new
+    # prologue: what the previous chunk's last three copies would have been
+    s = slot0.to(gl.int64) * H + i_h
+    _fetch_pair(ring.index(0), R + s * 8192, QG + s * 8192, 0, n_chunks, r2, c, 128)
+    _fetch_tile(a_inv, AI + s * AIS, 0, n_chunks, o64)
+    _fetch_pair(ring.index(1), R + s * 8192 + 64, QG + s * 8192 + 64, 0, n_chunks, r2, c, 128)
     if HAS_H0:
-        ha = gl.load(h0 + off, mask=m_a, other=0.0)
-        hb = gl.load(h0 + off + 64 * V, mask=m_b, other=0.0)
+        h = gl.load(h0 + _state_offsets(i_n, i_h, rp, cp, H, K, V), mask=_state_mask(rp, cp, K, V), other=0.0)
     else:
-        ha = gl.zeros([64, 64], dtype=gl.float32, layout=mma)
-        hb = gl.zeros([64, 64], dtype=gl.float32, layout=mma)
-    _stage(ha, hs, 0)
-    _stage(hb, hs, 2)
-    fence_async_shared()
+        h = gl.zeros([128, 64], dtype=gl.float32, layout=P)
+    _stage(h, hs)
     for it in range(n_chunks):
         slot = (slot0 + it).to(gl.int64) * H + i_h
-        dec_a = gl.load(DEC + slot * 128 + rm)
-        dec_b = gl.load(DEC + slot * 128 + 64 + rm)
-        tok = bos + it * 64 + rm
-        live = rm < length - it * 64
-        m_o = live[:, None] & (cv < V)[None, :]
-        vx = gl.load(v + tok[:, None] * (H * V) + i_h * V + cv[None, :], mask=m_o, other=0.0).to(gl.float32)
+        nxt = (slot0 + gl.minimum(it + 1, n_chunks - 1)).to(gl.int64) * H + i_h
+        z = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [it], dtype=gl.int32, is_pure=True, pack=1)
+        even = ring.index(it % 2)
+        odd = ring.index(1 - it % 2)
+        dec = gl.load(DEC + slot * 128 + rp)
+        live = rp < gl.minimum(length - it * 64, 64)  # x's rows: the chunk's tokens
+        tok = bos + it * 64 + rp
+        vx = gl.load(v + tok[:, None] * (H * V) + i_h * V + cp[None, :], mask=live[:, None] & (cp < V)[None, :],
+                     other=0.0).to(gl.float32)
         b = gl.load(beta + tok * H + i_h, mask=live, other=0.0).to(gl.float32)
-        # R·h (two K halves), then qg·h's first half while x = βv − R·h is staged
-        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 0, r, c, H, AIS)
-        x_hi, x_lo = _operand(ring, 0, a_l)
-        acc = _mma3(x_hi, x_lo, hs.index(0), hs.index(1), mma)
-        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 1, r, c, H, AIS)
-        y_hi, y_lo = _operand(ring, 1, a_l)
-        rh = _done(acc, x_hi, x_lo)
-        acc = _mma3(y_hi, y_lo, hs.index(2), hs.index(3), mma)
-        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 2, r, c, H, AIS)
-        x_hi, x_lo = _operand(ring, 2, a_l)
-        rh += _done(acc, y_hi, y_lo)
-        acc = _mma3(x_hi, x_lo, hs.index(0), hs.index(1), mma)
-        _stage(gl.fma(vx, b[:, None], -rh), xs, 0)
+        # [R; qg]·h over K 0-63, then 64-127: R·h in rows 0-63, qg·h in 64-127
+        async_copy.wait_group(2)
+        gl.thread_barrier()
+        _fetch_tile(a_qk, AQK + slot * 4096, it, n_chunks, o64)
+        a = _split(even.load(a_p))
+        hh, hl = _rows(hs, 0, z)
+        acc = _mma3(a, hh, hl, P)
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        _fetch_pair(even, KGT + slot * 8192, KGT + slot * 8192 + 4096, it, n_chunks, r2, c, 64)
+        a2 = _split(odd.load(a_p))
+        y = _done(acc, a)
+        hh, hl = _rows(hs, 64, z)
+        acc = _mma3(a2, hh, hl, P)
+        a = _split(a_inv.load(a_s))
+        y += _done(acc, a2)
+        # x = βv − R·h; rows 64-127 get −qg·h exactly (v and beta are masked to zero there)
+        _stage(gl.fma(vx, b[:, None], -y), xs, z)
+        gl.thread_barrier()
+        _fetch_pair(odd, R + nxt * 8192, QG + nxt * 8192, it + 1, n_chunks, r2, c, 128)
+        xh, xl = _rows(xs, 0, z)
+        acc_s = _mma3(a, xh, xl, S)  # v_new = A⁻¹·x
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        _fetch_tile(a_inv, AI + nxt * AIS, it + 1, n_chunks, o64)
+        a2 = _split(even.load(a_p))  # kgᵀ
+        vn = _done(acc_s, a)
+        # −qg·h out of rows 64-127 of x's buffers, v_new into them (each thread its own elements)
+        xh, xl = _rows(xs, 64, z)
+        qh = xh.load(S) + xl.load(S)
+        vn_hi, vn_lo = _split(vn)
+        xh.store(vn_hi)
+        xl.store(vn_lo)
         fence_async_shared()
-        # v_new = A⁻¹·x, then qg·h's second half while v_new is staged
-        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 3, r, c, H, AIS)
-        y_hi, y_lo = _operand(ring, 3, a_l)
-        ov = _done(acc, x_hi, x_lo)
-        acc = _mma3(y_hi, y_lo, xs.index(0), xs.index(1), mma)
-        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 4, r, c, H, AIS)
-        x_hi, x_lo = _operand(ring, 4, a_l)
-        vn = _done(acc, y_hi, y_lo)
-        acc = _mma3(x_hi, x_lo, hs.index(2), hs.index(3), mma)
-        _stage(vn, vs, 0)
-        fence_async_shared()
-        # Aqk·v_new, then kgᵀ·v_new for the next state
-        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 5, r, c, H, AIS)
-        y_hi, y_lo = _operand(ring, 5, a_l)
-        ov += _done(acc, x_hi, x_lo)
-        acc = _mma3(y_hi, y_lo, vs.index(0), vs.index(1), mma)
-        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 6, r, c, H, AIS)
-        x_hi, x_lo = _operand(ring, 6, a_l)
-        ov += _done(acc, y_hi, y_lo)
-        acc = _mma3(x_hi, x_lo, vs.index(0), vs.index(1), mma)
-        gl.store(o + tok[:, None] * (H * V) + i_h * V + cv[None, :], ov.to(o.dtype.element_ty), mask=m_o)
-        _arrive(ring, QG, KGT, R, AI, AQK, slot0, it, i_h, n_chunks, 7, r, c, H, AIS)
-        y_hi, y_lo = _operand(ring, 7, a_l)
-        ka = _done(acc, x_hi, x_lo)
-        acc = _mma3(y_hi, y_lo, vs.index(0), vs.index(1), mma)
-        # the state from its staged halves (hi + lo is exact): no registers held across the chunk
-        ha = (hs.index(0).load(mma) + hs.index(1).load(mma)) * dec_a[:, None] + ka
-        hb = (hs.index(2).load(mma) + hs.index(3).load(mma)) * dec_b[:, None] + _done(acc, y_hi, y_lo)
-        _stage(ha, hs, 0)
-        _stage(hb, hs, 2)
-        fence_async_shared()
+        gl.thread_barrier()
+        _fetch_pair(even, R + nxt * 8192 + 64, QG + nxt * 8192 + 64, it + 1, n_chunks, r2, c, 128)
+        acc = _mma3(a2, xh, xl, P)  # kgᵀ·v_new
+        a = _split(a_qk.load(a_s))
+        acc_s = _mma3(a, xh, xl, S)  # Aqk·v_new, issued before kgᵀ·v_new is waited for
+        kv = _done(acc, a2, 3)
+        h = (hs[0].index(z).load(P) + hs[1].index(z).load(P)) * dec[:, None] + kv
+        _stage(h, hs, z)
+        ov = _done(acc_s, a) - qh
+        tok_s = bos + it * 64 + rs
+        m_o = (rs < length - it * 64)[:, None] & (cs < V)[None, :]
+        gl.store(o + tok_s[:, None] * (H * V) + i_h * V + cs[None, :], ov.to(o.dtype.element_ty), mask=m_o)
     async_copy.wait_group(0)
-    gl.store(ht + off, ha, mask=m_a)
-    gl.store(ht + off + 64 * V, hb, mask=m_b)
+    # the final state from its staged halves (hi + lo is exact): no state is carried in registers
+    h = hs[0].index(0).load(P) + hs[1].index(0).load(P)
+    gl.store(ht + _state_offsets(i_n, i_h, rp, cp, H, K, V), h, mask=_state_mask(rp, cp, K, V))
 
 
 def state_pass_gluon(cp, o, initial_state, final) -> None:
