@@ -170,6 +170,29 @@ def test_fp32_inputs_match_fp64_recurrence(case, variant, dots):
     _check_fp32(f"{dots} {case.name} {variant}", o, s, *_reference(inputs))
 
 
+def _chunk_list_reference(cu, n_slots):
+    """(document, chunk) per slot and each document's first slot, by plain torch ops."""
+    nch = (cu[1:] - cu[:-1] + 63).div(64, rounding_mode="floor")
+    first = torch.cumsum(nch, 0) - nch
+    rows = [(d, t) for d in range(len(nch)) for t in range(int(nch[d]))]
+    rows += [(-1, 0)] * (n_slots - len(rows))
+    return torch.tensor(rows, dtype=torch.int32).reshape(n_slots, 2), first.to(torch.int32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("lengths", [[100], [64, 0, 45], [0, 0], [0, 1, 63, 64, 65, 0], [5000, 0, 1, 3999, 0],
+                                     [70 * (i % 3) for i in range(1500)]])
+@pytest.mark.parametrize("spare", [0, 7])
+def test_chunk_list_kernel_matches_torch(lengths, spare):
+    """The chunk kernel's slot list (one Triton kernel): empty documents, documents of one token, an
+    exact chunk, 1500 documents (two blocks of the prefix sum), unused trailing slots."""
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    n_slots = sum((n + 63) // 64 for n in lengths) + spare
+    chunk_map, first = kda_fp32_triton._chunk_list(cu, n_slots)
+    ref_map, ref_first = _chunk_list_reference(cu, n_slots)
+    assert torch.equal(chunk_map, ref_map) and torch.equal(first, ref_first)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("variant, solves", [("fused", 0), ("split-output", 1)])
 def test_only_the_split_forward_runs_the_solve_kernel(variant, solves, monkeypatch):
