@@ -132,6 +132,7 @@ def _state_offsets(i_n, i_h, rk, cv, H: gl.constexpr, K: gl.constexpr, V: gl.con
 
 @gluon.jit
 def _state_mask(rk, cv, K: gl.constexpr, V: gl.constexpr):
+    """Which elements of that tile lie inside the [K, V] state."""
     return (rk[:, None] < K) & (cv < V)[None, :]
 
 
