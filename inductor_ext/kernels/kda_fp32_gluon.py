@@ -116,6 +116,12 @@ def _stage(x, smem, z=0):
 
 
 @gluon.jit
+def _unstage(smem, layout: gl.constexpr, z=0):
+    """The value staged by :func:`_stage` (hi + lo is exact), in ``layout``."""
+    return smem[0].index(z).load(layout) + smem[1].index(z).load(layout)
+
+
+@gluon.jit
 def _rows(smem, start: gl.constexpr, z):
     """Rows start..start+63 (the K dimension) of B-operand buffers (hi, lo). ``z`` is always 0 but
     opaque to the compiler: the wgmma descriptors of these views are then computed where they are used
@@ -232,15 +238,15 @@ def _state_kernel_gluon(QG, KGT, R, AI, AQK, DEC, v, beta, o, h0, ht, cu, first_
         a = _split(a_qk.load(a_s))
         acc_s = _mma3(a, xh, xl, S)  # Aqk·v_new, issued before kgᵀ·v_new is waited for
         kv = _done(acc, a2, 3)
-        h = (hs[0].index(z).load(P) + hs[1].index(z).load(P)) * dec[:, None] + kv
+        h = _unstage(hs, P, z) * dec[:, None] + kv
         _stage(h, hs, z)
         ov = _done(acc_s, a) - qh
         tok_s = bos + it * 64 + rs
         m_o = (rs < length - it * 64)[:, None] & (cs < V)[None, :]
         gl.store(o + tok_s[:, None] * (H * V) + i_h * V + cs[None, :], ov.to(o.dtype.element_ty), mask=m_o)
     async_copy.wait_group(0)
-    # the final state from its staged halves (hi + lo is exact): no state is carried in registers
-    h = hs[0].index(0).load(P) + hs[1].index(0).load(P)
+    # the final state from its staged halves: no state is carried in registers
+    h = _unstage(hs, P)
     gl.store(ht + _state_offsets(i_n, i_h, rp, cp, H, K, V), h, mask=_state_mask(rp, cp, K, V))
 
 

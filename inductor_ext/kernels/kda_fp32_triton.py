@@ -486,8 +486,8 @@ def _state_kernel(QG, KGT, W, U, AQK, DEC, AI, v, beta, o, h0, ht, cu, first_slo
         wh = _dot3(tl.load(p_w), ha)
         if TWO:
             wh += _dot3(tl.load(p_w + 64), hb)
-        p_u = slot * (64 * BV) + r[:, None] * BV + cv[None, :]
         if SPLIT:  # the state before this chunk and v_new, for _output_kernel
+            p_u = slot * (64 * BV) + r[:, None] * BV + cv[None, :]
             vn = tl.load(U + p_u) - wh
             p_h = slot * (BK * BV) + ck[:, None] * BV + cv[None, :]
             tl.store(HS + p_h, ha)
@@ -597,8 +597,8 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens):
 def _chunk_list_kernel(cu, chunk_map, first, N, n_slots, steps, C: tl.constexpr, BN: tl.constexpr,
                        BS: tl.constexpr):
     # one program: each document's first slot (a running prefix sum of its chunk counts of C tokens,
-    # BN documents at a time), then per slot its document (the last one whose first slot is at most the slot, by
-    # binary search over ``first``, which the program has just written) and its chunk within it
+    # BN documents at a time), then per slot its document (the last one whose first slot is at most
+    # the slot, by binary search over ``first``, which the program has just written) and its chunk
     total = tl.full([], 0, tl.int64)
     for d0 in range(0, N, BN):
         d = d0 + tl.arange(0, BN)
