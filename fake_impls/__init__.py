@@ -1,14 +1,37 @@
 """Fake (meta) kernels of the ``glm53`` ops: output shapes, dtypes and strides, no data.
 
-One module per op family, named like the op's module in ``inductor_ext/ops``. Importing this
-package registers every fake; ``inductor_ext.ops`` does so after defining the ops.
+One module per op family, named like the op's module in ``inductor_ext/ops``; each holds plain
+functions and a ``FAKES`` table (op name → fake). Nothing registers on import: the op package
+(:mod:`inductor_ext.ops`) calls :func:`register_all` once every op is defined.
 """
 
-from fake_impls import kda  # noqa: F401
-from fake_impls import fp8_qdq, fp32_linear, layer_norm_fp32, mhc, swiglu  # noqa: F401
+from __future__ import annotations
 
-__all__ = ["kda"]
-__all__ += ["fp32_linear", "layer_norm_fp32", "swiglu", "fp8_qdq", "mhc"]
-from fake_impls import kpool, round_to  # noqa: F401, E402
+import torch
 
-__all__ += ["kpool", "round_to"]
+from fake_impls import (
+    batch_invariant,
+    fp8_qdq,
+    fp32_linear,
+    kda,
+    kpool,
+    layer_norm_fp32,
+    mhc,
+    round_to,
+    sparse_mla,
+    swiglu,
+)
+
+__all__ = ["FAMILIES", "register_all"]
+
+FAMILIES = (batch_invariant, fp32_linear, fp8_qdq, kda, kpool, layer_norm_fp32, mhc, round_to, sparse_mla, swiglu)
+_registered: set[str] = set()
+
+
+def register_all() -> None:
+    """Register every family's fakes with ``torch.library``; idempotent. The ops must be defined."""
+    for family in FAMILIES:
+        for name, fake in family.FAKES.items():
+            if name not in _registered:
+                torch.library.register_fake(name)(fake)
+                _registered.add(name)

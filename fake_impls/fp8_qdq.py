@@ -6,10 +6,14 @@ import torch
 
 from inductor_ext.ops.fp8_qdq import GROUP
 
-__all__ = ["fp8_qdq_fake"]
+__all__ = ["FAKES", "fp8_qdq_fake"]
 
 
-@torch.library.register_fake("glm53::fp8_qdq")
 def fp8_qdq_fake(x, scale_fmt):
     """Outputs of ``glm53::fp8_qdq`` as empty tensors: shapes, dtypes, strides, no data."""
     return x.new_empty(x.shape), x.new_empty((*x.shape[:-1], x.shape[-1] // GROUP), dtype=torch.float32)
+
+
+FAKES = {
+    "glm53::fp8_qdq": fp8_qdq_fake,
+}

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.kda import CHUNK, returned_residuals
+from inductor_ext.ops.kda_reference import CHUNK, returned_residuals
 
-__all__ = ["kda_chunk_fake", "kda_chunk_bwd_fake", "kda_recurrent_fake"]
+__all__ = ["FAKES", "kda_chunk_fake", "kda_chunk_bwd_fake", "kda_recurrent_fake"]
 
 
 def _num_states(q, cu_seqlens):
@@ -22,7 +22,6 @@ def _final_state(q, v, cu_seqlens):
     return q.new_empty(_num_states(q, cu_seqlens), q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
 
 
-@torch.library.register_fake("glm53::kda_chunk")
 def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     """Outputs of ``glm53::kda_chunk`` as empty tensors: shapes, dtypes, strides, no data."""
     store = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -41,14 +40,19 @@ def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision
     return returned_residuals(out, q, v, cu_seqlens, precision, residuals)
 
 
-@torch.library.register_fake("glm53::kda_chunk_bwd")
 def kda_chunk_bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision,
                        qn, kn, q_rstd, k_rstd, g_cumsum, Aqk, Akk, do, dht):
     """Outputs of ``glm53::kda_chunk_bwd`` as empty tensors: shapes, dtypes, strides, no data."""
     return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), _final_state(q, v, cu_seqlens))
 
 
-@torch.library.register_fake("glm53::kda_recurrent")
 def kda_recurrent_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     """Outputs of ``glm53::kda_recurrent`` as empty tensors: shapes, dtypes, strides, no data."""
     return v.new_empty(v.shape), _final_state(q, v, cu_seqlens)
+
+
+FAKES = {
+    "glm53::kda_chunk": kda_chunk_fake,
+    "glm53::kda_chunk_bwd": kda_chunk_bwd_fake,
+    "glm53::kda_recurrent": kda_recurrent_fake,
+}

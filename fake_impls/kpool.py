@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from inductor_ext import workspace
-from inductor_ext.ops import kpool  # noqa: F401  (defines the ops before their fakes register)
 
-__all__ = [
+__all__ = ["FAKES",
     "kpool_project_fake",
     "kpool_compress_fake",
     "kpool_quant_query_fake",
@@ -21,7 +20,6 @@ __all__ = [
 ]
 
 
-@torch.library.register_fake("glm53::kpool_project")
 def kpool_project_fake(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps, head_proj):
     """Outputs of ``glm53::kpool_project`` as empty tensors: shapes, dtypes, strides, no data."""
     T = x.shape[0]
@@ -32,7 +30,6 @@ def kpool_project_fake(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress
     )
 
 
-@torch.library.register_fake("glm53::kpool_compress")
 def kpool_compress_fake(k, gate, ape, pool_token, mode):
     """Outputs of ``glm53::kpool_compress`` as empty tensors: shapes, dtypes, strides, no data."""
     dtype = torch.float8_e4m3fn if mode.startswith("fp8") else k.dtype
@@ -40,19 +37,25 @@ def kpool_compress_fake(k, gate, ape, pool_token, mode):
     return k.new_empty(S, k.shape[1], dtype=dtype), k.new_empty(S, dtype=torch.float32)
 
 
-@torch.library.register_fake("glm53::kpool_quant_query")
 def kpool_quant_query_fake(q, w, scale_fmt):
     """Outputs of ``glm53::kpool_quant_query`` as empty tensors: shapes, dtypes, strides, no data."""
     return q.new_empty(q.shape, dtype=torch.float8_e4m3fn), w.new_empty(w.shape, dtype=torch.float32)
 
 
-@torch.library.register_fake("glm53::kpool_logits")
 def kpool_logits_fake(q, w, pool, pool_scale, precision, layout):
     """Outputs of ``glm53::kpool_logits`` as empty tensors: shapes, dtypes, strides, no data."""
     return workspace.logits_view(q.shape[0], pool.shape[0], q.shape[1], layout, q.device)
 
 
-@torch.library.register_fake("glm53::kpool_select")
 def kpool_select_fake(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail):
     """Outputs of ``glm53::kpool_select`` as empty tensors: shapes, dtypes, strides, no data."""
     return logits.new_empty(logits.shape[0], topk + pool_size - 1, dtype=torch.int32)
+
+
+FAKES = {
+    "glm53::kpool_project": kpool_project_fake,
+    "glm53::kpool_compress": kpool_compress_fake,
+    "glm53::kpool_quant_query": kpool_quant_query_fake,
+    "glm53::kpool_logits": kpool_logits_fake,
+    "glm53::kpool_select": kpool_select_fake,
+}

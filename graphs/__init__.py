@@ -9,7 +9,7 @@ Public surface::
     torch.compile(model, fullgraph=True)(input_ids, cu_seqlens)
 
 ``graphs.signature`` records the op sequence of the compiled graphs; the recorded signatures live
-in ``graphs/signatures/``.
+in ``tests/graphs/signatures/``.
 """
 
 from graphs.config import GLM53Config

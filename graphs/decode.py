@@ -4,7 +4,7 @@
 same weights, same precision choices, no copy) on ``n`` sequences of equal length:
 ``prefill(prompts [n, L])`` runs the packed prompts once and builds the caches, ``step(tokens [n])``
 appends one token per sequence and returns its next-token logits. The logits equal the
-last-position logits of ``ServingForward`` on the packed prefixes (``tests/test_decode.py``).
+last-position logits of ``ServingForward`` on the packed prefixes (``tests/graphs/test_decode.py``).
 
 Caches (:class:`DecodeCache`, updated in place; buffers grow by doubling):
 
@@ -14,23 +14,21 @@ Caches (:class:`DecodeCache`, updated in place; buffers grow by doubling):
   reads the window with the document-position mask of :meth:`LinearAttention.short_conv` (same
   FP32 sum order), the recurrence starts from the cached state (``initial_state``), which the
   reference recurrence carries token by token exactly as in the full run.
-- DSA layer: MLA keys and values ``[n, t, H, d]`` (``kv_b_proj`` output: the sparse attention's
-  k and v), and for a layer with its own indexer the KPool indexer's per-token key and compression
-  gate (``kpool_project``, model dtype) plus the compressed pools ``[n, t // P, 128]`` with their
-  FP32 scales (``kpool_compress``; one new pool per sequence whenever a step completes one). The
-  new query is scored against the cached pools of all sequences laid out as the packed forward
-  lays them out (slot ``i·(t//P) + p``), and ``kpool_select`` picks with the same causal metadata
-  (``q_lo``, ``q_n``, ``tail_start``, ``tail_len``) the packed forward gives that position, so the
-  token ids are the packed forward's (global ids ``i·t + j``); a ``"shared"`` layer reuses them.
-  Sparse attention (``attention="prefix"``, default): the eager kernel's steps over the query's
-  own sequence, its t cached keys masked to the selected ids (O(t) per query; the packed kernel
-  runs them over all T columns, the other sequences' being -inf / exact zeros).
-  ``attention="gather"`` gathers the W selected keys/values (O(topk) per query, the serving
-  engine's way): same math, FP32 sums in another order, so rare 1-ulp BF16 differences.
+- DSA layer (MLA in the absorbed form, what serving caches): the latent
+  ``kv_a_layernorm(kv_a_proj_with_mqa(x))`` ``[n, t, kv_lora_rank]``, and for a layer with its own
+  indexer the KPool indexer's per-token key and compression gate (``kpool_project``, model dtype)
+  plus the compressed pools ``[n, t // P, 128]`` with their FP32 scales (``kpool_compress``; one new
+  pool per sequence whenever a step completes one). The new query is scored against the cached
+  pools of all sequences laid out as the packed forward lays them out (slot ``i·(t//P) + p``), and
+  ``kpool_select`` picks with the same causal metadata (``q_lo``, ``q_n``, ``tail_start``,
+  ``tail_len``) the packed forward gives that position, so the token ids are the packed forward's
+  (global ids ``i·t + j``, which index the cached latent flattened to ``[n·t, R]``); a ``"shared"``
+  layer reuses them. Attention is ``ops.sparse_mla`` over the gathered latent rows (O(topk) per
+  query), the same op and per-row arithmetic as the packed forward.
 - mHC, RMSNorms, MLP / MoE, embedding, final norm and lm_head are per token: no cache.
 
 Per step the cost is one token per sequence through every per-token module, O(1) for KDA, and
-O(t) for a DSA layer (pool scoring over the prefix's t/P pools, attention over t or topk keys).
+O(t) for a DSA layer (pool scoring over the prefix's t/P pools) and O(topk) for its attention.
 Forward only, eager; call under ``torch.no_grad()``.
 """
 
@@ -44,8 +42,16 @@ import torch.nn.functional as F
 from graphs.kda_layer import LinearAttention, document_positions
 from graphs.serving import ServingForward
 from inductor_ext import ops
-from inductor_ext.ops.kpool import INDEXER_EPS, INDEXER_SCALE_FMT, kpool_compress, kpool_layout, kpool_logits, \
-    kpool_project, kpool_quant_query, kpool_select
+from inductor_ext.ops.kpool import (
+    INDEXER_EPS,
+    INDEXER_SCALE_FMT,
+    kpool_compress,
+    kpool_layout,
+    kpool_logits,
+    kpool_project,
+    kpool_quant_query,
+    kpool_select,
+)
 
 __all__ = ["ServingDecoder", "DecodeCache"]
 
@@ -93,7 +99,7 @@ class _Buffer:
 class DecodeCache:
     """Per-layer caches of ``num_seqs`` sequences of ``length`` tokens each (see the module doc;
     fewer than 12 sequences are cached with padding copies of the last one, see ``_MIN_ROWS``).
-    ``layers[i]`` is a dict: KDA ``{"state", "window"}``; DSA ``{"k", "v"}`` (+ ``{"ik", "igate",
+    ``layers[i]`` is a dict: KDA ``{"state", "window"}``; DSA ``{"latent"}`` (+ ``{"ik", "igate",
     "pool", "pool_scale"}`` with an own indexer)."""
 
     num_seqs: int
@@ -102,16 +108,15 @@ class DecodeCache:
 
 
 class ServingDecoder:
-    """Incremental decode over ``serve``'s model, weights and precision (see the module doc)."""
+    """Incremental decode over ``serve``'s model, weights and precision (see the module doc).
+    Serving caches the MLA latent, so ``serve.precision.mla`` must be ``"absorbed"``."""
 
-    ATTENTION = ("prefix", "gather")
-
-    def __init__(self, serve: ServingForward, attention: str = "prefix"):
+    def __init__(self, serve: ServingForward):
         if not isinstance(serve, ServingForward):
             raise ValueError(f"ServingDecoder: serve must be a ServingForward, got {type(serve).__name__}")
-        if attention not in self.ATTENTION:
-            raise ValueError(f"ServingDecoder: attention must be one of {self.ATTENTION}, got {attention!r}")
-        self.attention = attention
+        if serve.precision.mla != "absorbed":
+            raise ValueError(f"ServingDecoder: the decoder caches the MLA latent and needs "
+                             f"PrecisionConfig.mla='absorbed', got {serve.precision.mla!r}")
         self.serve = serve
         self.model = serve.model
         self.config = serve.model.config
@@ -215,9 +220,8 @@ class ServingDecoder:
         prec = self.precision
         if cu is not None:
             out, ids = attn(x, cu, prev_ids, prec)
-            q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-            k, v = self._mla_kv(attn, x)
-            cache = {"k": _Buffer(k.view(n, t, *k.shape[1:])), "v": _Buffer(v.view(n, t, *v.shape[1:]))}
+            latent = attn.latent(x)
+            cache = {"latent": _Buffer(latent.view(n, t, -1))}
             if attn.indexer is not None:
                 ik, igate, _ = self._project(attn.indexer, x)
                 P = attn.indexer.pool
@@ -232,24 +236,16 @@ class ServingDecoder:
         T = x.shape[0]  # = n
         q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
         q = attn.q_b_proj(q_resid).view(T, attn.num_heads, attn.nope)
-        k, v = self._mla_kv(attn, x)
-        cache["k"].append(k)
-        cache["v"].append(v)
+        cache["latent"].append(attn.latent(x))
         if attn.indexer is not None:
             ids = self._index_step(attn.indexer, x, q_resid, n, t, cache)
         elif prev_ids is None:
             raise ValueError("ServingDecoder: a shared-indexer layer needs the previous DSA layer's token ids")
         else:
             ids = prev_ids
-        fn = self._prefix_attention if self.attention == "prefix" else self._gather_attention
-        out = fn(q, cache["k"].view(), cache["v"].view(), ids, t, attn.scale)
+        latent = cache["latent"].view()
+        out = attn.absorbed_attention(q, latent.reshape(n * t, latent.shape[-1]), ids)
         return attn.o_proj(out.reshape(T, -1)), ids, cache
-
-    @staticmethod
-    def _mla_kv(attn, x):
-        kv = attn.kv_b_proj(attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x))).view(x.shape[0], attn.num_heads, -1)
-        k, v = kv.split([attn.nope, attn.v_dim], dim=-1)
-        return k, v
 
     def _project(self, idx, x):
         return kpool_project(x, idx.wk.weight, idx.k_norm.weight, idx.k_norm.bias, idx.weights_proj.weight,
@@ -299,39 +295,3 @@ class ServingDecoder:
         ids = kpool_select(logits, seq * S, q_n, tail_start, t - P * q_n, topk=idx.topk, pool_size=P,
                            tail="compact" if idx.select_tail else "fixed")
         return ids if idx.select_tail else ids[:, : idx.topk]
-
-    @staticmethod
-    def _prefix_attention(q, k_cache, v_cache, ids, t, scale):
-        """The eager sparse kernel on query i's own sequence: scores over its t cached keys
-        (bf16, ·scale), masked to the selected ids, FP32 softmax → model dtype, ``p·v`` over the t
-        keys. The packed kernel does the same over all T columns, the other sequences' columns being
-        -inf / exact zeros. O(t) per query. q ``[n, H, d]``, caches ``[n, t, H, d]``, ids ``[n, W]``
-        packed-coordinate ids (``i·t + j``) → ``[n, H, dv]``."""
-        n = q.shape[0]
-        ids = ids.long()
-        rows = torch.arange(n, device=ids.device)[:, None]
-        local = torch.where(ids >= 0, ids - rows * t, t)  # -1 → a spare column, dropped below
-        mask = torch.zeros(n, t + 1, dtype=torch.bool, device=ids.device).scatter(1, local, True)[:, :t]
-        scores = torch.matmul(q.unsqueeze(2), k_cache.permute(0, 2, 3, 1)) * scale  # [n, H, 1, t]
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v_cache.permute(0, 2, 1, 3))[:, :, 0]
-
-    @staticmethod
-    def _gather_attention(q, k_cache, v_cache, ids, t, scale):
-        """Attention of query i over the cached keys its packed-coordinate ids select, gathered:
-        the eager sparse kernel's steps (bf16 scores·scale, FP32 softmax → model dtype, p·v) over the
-        W selected columns only, O(W) per query (the serving engine's way; its FP32 sums run in
-        another order than the packed kernel's, rare 1-ulp BF16 differences).
-        q ``[n, H, d]``, caches ``[n, t, H, d]``, ids ``[n, W]`` → ``[n, H, dv]``."""
-        n = q.shape[0]
-        ids = ids.long()
-        valid = ids >= 0
-        rows = torch.arange(n, device=ids.device)[:, None]
-        local = torch.where(valid, ids - rows * t, 0)  # the query's own sequence only (causal selection)
-        ks = k_cache[rows, local].permute(0, 2, 3, 1)  # [n, H, d, W]
-        vs = v_cache[rows, local].permute(0, 2, 1, 3)  # [n, H, W, dv]
-        scores = torch.matmul(q.unsqueeze(2), ks) * scale  # [n, H, 1, W]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, vs)[:, :, 0]

@@ -1,12 +1,20 @@
 """DSA token mixer of GLM-5.3's indexed-attention layers: MLA without RoPE + the KPool indexer +
 sparse attention over the selected token ids.
 
-q_a → RMSNorm → q_b; kv_a → RMSNorm → kv_b (keys and values); the indexer
-(``ops.kpool_indexer``, precision from ``PrecisionConfig.kpool*`` / ``head_proj`` /
-``mqa_layout`` / ``logits_budget_mb``) picks ``index_topk`` tokens per query in pools of
-``index_kpool`` plus the visible tail; :func:`graphs.sparse_attention.sparse_attention` attends
-over them. A ``"shared"`` layer has no indexer and reuses the previous layer's ids. Parameter names
-follow transformers ``Glm5NextTextAttention`` / ``Glm5NextTextIndexer``.
+q_a → RMSNorm → q_b (q_nope); kv_a → RMSNorm (the latent); the indexer (``ops.kpool_indexer``,
+precision from ``PrecisionConfig.kpool*`` / ``head_proj`` / ``mqa_layout`` / ``logits_budget_mb``)
+picks ``index_topk`` tokens per query in pools of ``index_kpool`` plus the visible tail, and the
+attention reads only those. ``PrecisionConfig.mla`` picks the form:
+
+- ``"decompressed"`` (transformers): kv_b maps the latent to per-head keys and values and
+  :func:`graphs.sparse_attention.sparse_attention` attends over them (a ``[T, T]`` selection mask:
+  up to :data:`graphs.sparse_attention.MAX_MASK_TOKENS` tokens);
+- ``"absorbed"`` (serving): q_nope goes through the key half of kv_b into the latent space (one BF16
+  rounding), ``ops.sparse_mla`` attends with the latent as key and value for all heads (O(T·topk)),
+  and the latent output goes through the value half of kv_b. The scale stays ``qk_nope_head_dim^-½``.
+
+A ``"shared"`` layer has no indexer and reuses the previous layer's ids. Parameter names follow
+transformers ``Glm5NextTextAttention`` / ``Glm5NextTextIndexer``.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from graphs.config import GLM53Config
 from graphs.modules import RMSNorm
 from graphs.sparse_attention import sparse_attention
 from inductor_ext import PrecisionConfig, ops
+from inductor_ext.parallel import CPContext, kpool_indexer_cp
 
 __all__ = ["Indexer", "IndexedAttention"]
 
@@ -37,15 +46,19 @@ class Indexer(nn.Module):
         self.topk, self.pool = config.index_topk, config.index_kpool
         self.select_tail = config.index_kpool_always_select_tail
 
-    def forward(self, x, q_resid, cu_seqlens, prec: PrecisionConfig) -> torch.Tensor:
-        """x ``[T, D]``, q_resid ``[T, q_lora_rank]`` → int32 ``[T, topk (+ pool-1 with the tail)]``."""
-        ids = ops.kpool_indexer(
-            x, q_resid, self.wq_b.weight, self.wk.weight, self.k_norm.weight, self.k_norm.bias,
-            self.weights_proj.weight, self.index_kpool_compress_gate, self.index_kpool_compress_ape, cu_seqlens,
-            topk=self.topk, pool_size=self.pool, kpool=prec.kpool, kpool_pooling=prec.kpool_pooling,
-            head_proj=prec.head_proj, mqa_layout=prec.mqa_layout, logits_budget_mb=prec.logits_budget_mb,
-            tail="compact" if self.select_tail else "fixed",
-        )
+    def forward(self, x, q_resid, cu_seqlens, prec: PrecisionConfig, cp: CPContext | None = None) -> torch.Tensor:
+        """x ``[T, D]``, q_resid ``[T, q_lora_rank]`` → int32 ``[T, topk (+ pool-1 with the tail)]``
+        global token ids. With ``cp`` the rows are this rank's local tokens (keys and gates are
+        all-gathered into global order before pooling: :func:`inductor_ext.parallel.kpool_indexer_cp`)."""
+        params = (self.wq_b.weight, self.wk.weight, self.k_norm.weight, self.k_norm.bias, self.weights_proj.weight,
+                  self.index_kpool_compress_gate, self.index_kpool_compress_ape)
+        options = dict(topk=self.topk, pool_size=self.pool, kpool=prec.kpool, kpool_pooling=prec.kpool_pooling,
+                       head_proj=prec.head_proj, mqa_layout=prec.mqa_layout, logits_budget_mb=prec.logits_budget_mb,
+                       tail="compact" if self.select_tail else "fixed")
+        if cp is None:
+            ids = ops.kpool_indexer(x, q_resid, *params, cu_seqlens, **options)
+        else:
+            ids = kpool_indexer_cp(x, q_resid, *params, cp, **options)
         return ids if self.select_tail else ids[:, : self.topk]
 
 
@@ -68,17 +81,45 @@ class IndexedAttention(nn.Module):
         self.indexer = None if self.shared else Indexer(config)
         self.scale, self.impl = self.nope**-0.5, config.attn_impl
 
-    def forward(self, x, cu_seqlens, prev_ids, prec: PrecisionConfig):
+    def forward(self, x, cu_seqlens, prev_ids, prec: PrecisionConfig, cp: CPContext | None = None):
+        """x ``[T, hidden]`` → (``[T, hidden]``, token ids). With ``cp`` (context parallel) x holds this
+        rank's local tokens, the ids are global, and the attention reads the latent of every rank,
+        all-gathered into global order (its gradient returns by reduce-scatter); the decompressed
+        form then maps the whole gathered latent through kv_b on every rank."""
         T = x.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, self.num_heads, self.nope)
-        kv = self.kv_b_proj(self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))).view(T, self.num_heads, -1)
-        k, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.latent(x)
+        if cp is not None:
+            latent = cp.unshard(latent)
         if self.indexer is not None:
-            ids = self.indexer(x, q_resid, cu_seqlens, prec)
+            ids = self.indexer(x, q_resid, cu_seqlens, prec, cp)
         elif prev_ids is None:
             raise ValueError("IndexedAttention: a shared-indexer layer needs the previous DSA layer's token ids")
         else:
             ids = prev_ids
-        out = sparse_attention(q, k, v, ids, scale=self.scale, impl=self.impl)
+        if prec.mla == "absorbed":
+            out = self.absorbed_attention(q, latent, ids)
+        else:
+            kv = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, -1)
+            k, v = kv.split([self.nope, self.v_dim], dim=-1)
+            out = sparse_attention(q, k, v, ids, scale=self.scale, impl=self.impl)
         return self.o_proj(out.reshape(T, -1)), ids
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLA latent ``kv_a_layernorm(kv_a_proj_with_mqa(x))`` ``[T, kv_lora_rank]``: what serving caches."""
+        return self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+
+    def kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight as its key half ``[H, nope, R]`` and value half ``[H, v_dim, R]``."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, -1)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA over the selected ids: q ``[T, H, nope]``, latent ``[S, R]`` (S keys; the
+        ids index it) → ``[T, H, v_dim]``. The absorbed query and the latent output are rounded to
+        the model dtype (the serving engine's BF16 GEMM outputs)."""
+        w_k, w_v = self.kv_b_halves()
+        q_abs = torch.einsum("thn,hnr->thr", q, w_k)
+        out = ops.sparse_mla(q_abs, latent, ids, scale=self.scale)
+        return torch.einsum("thr,hvr->thv", out, w_v)

@@ -4,6 +4,12 @@ q/k/v projections → depthwise causal conv (kernel 4, FP32, restarted at every 
 ``glm53::kda_chunk`` (precision ``PrecisionConfig.kda``) with the forget gate
 ``lower_bound·σ(exp(A_log)·(f_b(f_a x) + dt_bias))`` and β = σ(b_proj x) → gated RMSNorm (sigmoid
 gate from g_b(g_a x)) → o_proj. Parameter names follow transformers ``Glm5NextTextLinearAttention``.
+
+Context parallel (``cp=`` a :class:`~inductor_ext.parallel.CPContext`, ``docs/DESIGN.md`` §8): x
+holds this rank's tokens; the short conv reads a 3-token halo of the previous global shard
+(:func:`~inductor_ext.parallel.halo_exchange`, one all-gather; bitwise the single-rank conv) and
+the KDA core is :func:`~inductor_ext.parallel.kda_chunk_cp` (one all-gather of FP32 end states and
+transitions, a fold, the local correction). Every other step is per token.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from torch import nn
 from graphs.config import GLM53Config
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.ops.packing import segment_of
+from inductor_ext.parallel.context import CPContext
+from inductor_ext.parallel.halo import halo_exchange, with_halo
+from inductor_ext.parallel.kda import kda_chunk_cp
 
 __all__ = ["ForgetGate", "GatedRMSNorm", "LinearAttention", "document_positions"]
 
@@ -80,9 +89,19 @@ class LinearAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, config.rms_norm_eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
 
-    def short_conv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def short_conv(self, x: torch.Tensor, pos: torch.Tensor, halo: torch.Tensor | None = None) -> torch.Tensor:
         """Depthwise causal conv + SiLU in FP32 that never reads across a document start:
-        ``out[t] = silu(Σ_s w[K-1-s] · x[t-s] · [pos_t ≥ s])``, rounded to x's dtype."""
+        ``out[t] = silu(Σ_s w[K-1-s] · x[t-s] · [pos_t ≥ s])``, rounded to x's dtype.
+
+        ``halo`` (context parallel): ``[n, K-1, C]``, the rows before each of the n equal shards
+        of x (:func:`~inductor_ext.parallel.halo_exchange`); each shard is convolved with its halo
+        in front, so its first rows read the previous global shard's last rows."""
+        if halo is not None:
+            n, W = halo.shape[:2]
+            L = x.shape[0] // n
+            pos_ext = torch.cat([pos.new_zeros(n, W), pos.view(n, L)], 1).reshape(-1)
+            out = self.short_conv(with_halo(x, halo), pos_ext)
+            return out.view(n, W + L, -1)[:, W:].reshape(n * L, -1)
         xf, w = x.float(), self.conv1d.weight.float()[:, 0, :]  # [T, C], [C, K]
         out = xf * w[:, self.kernel - 1]
         for s in range(1, self.kernel):
@@ -91,26 +110,46 @@ class LinearAttention(nn.Module):
         return F.silu(out).to(x.dtype)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, prec: PrecisionConfig,
-                serving: bool = False) -> torch.Tensor:
+                serving: bool = False, cp: CPContext | None = None) -> torch.Tensor:
         """``serving``: the KDA core is ``kda_recurrent`` (FP32 state, forward only) instead of
-        ``kda_chunk`` at ``prec.kda``; every other step is the same."""
-        pos = document_positions(cu_seqlens, x.shape[0], x.device)
-        return self.mix(x, self.short_conv(self.qkv_proj(x), pos), cu_seqlens, prec, serving)[0]
+        ``kda_chunk`` at ``prec.kda``; every other step is the same. ``cp``: x is this rank's
+        ``[T_local, hidden]`` of a context-parallel batch (``cu_seqlens`` must be None: the
+        context holds the global offsets); training path only (``serving`` raises
+        NotImplementedError)."""
+        if cp is None:
+            pos = document_positions(cu_seqlens, x.shape[0], x.device)
+            return self.mix(x, self.short_conv(self.qkv_proj(x), pos), cu_seqlens, prec, serving)[0]
+        if serving:
+            raise NotImplementedError("LinearAttention: serving=True (kda_recurrent) has no context-parallel path")
+        if cu_seqlens is not None:
+            raise ValueError("LinearAttention: with cp, pass cu_seqlens to cp_context, not to the layer")
+        raw = self.qkv_proj(x)
+        qkv = self.short_conv(raw, cp.doc_positions, halo_exchange(raw, cp, self.kernel - 1))
+        return self.mix(x, qkv, None, prec, serving, cp=cp)[0]
 
     def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
         """The q, k, v projections side by side, ``[T, 3·H·K]`` in x's dtype (the short conv's input)."""
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def mix(self, x: torch.Tensor, qkv: torch.Tensor, cu_seqlens: torch.Tensor | None, prec: PrecisionConfig,
-            serving: bool, initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            serving: bool, initial_state: torch.Tensor | None = None,
+            cp: CPContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after the short conv: KDA of ``qkv`` (conv output ``[T, 3·H·K]``) with the gates
         of ``x [T, hidden]``, gated RMSNorm, o_proj → (``[T, hidden]``, FP32 final state
-        ``[N, H, K, K]``); ``initial_state`` continues documents (the incremental decode's state)."""
+        ``[N, H, K, K]``); ``initial_state`` continues documents (the incremental decode's state).
+        ``cp``: local tokens of a context-parallel batch, KDA through
+        :func:`~inductor_ext.parallel.kda_chunk_cp` (the state is then per local segment
+        ``[M, H, K, K]``; :func:`~inductor_ext.parallel.collect_document_states` orders them by
+        document)."""
         T = x.shape[0]
         q, k, v = (t.reshape(1, T, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
         g = self.forget_gate(x).unsqueeze(0)
         beta = torch.sigmoid(self.b_proj(x)).unsqueeze(0)
-        if serving:
+        if cp is not None:
+            if serving or initial_state is not None:
+                raise NotImplementedError("LinearAttention.mix: cp supports the training path from zero states only")
+            o, state = kda_chunk_cp(q, k, v, g, beta, cp, precision=prec.kda)
+        elif serving:
             o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         else:
             o, state = ops.kda_chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,

@@ -9,6 +9,11 @@ Model: embedding → N copies of the stream → layers → mean over the streams
 The precision is the :class:`~inductor_ext.PrecisionConfig` the model holds (``precision=``), else
 the active one (``inductor_ext.precision(cfg)``); it is read while Dynamo traces and reaches the ops
 as string literals, so a config change recompiles once and the same config never does.
+
+Context parallel (``cp=`` a :class:`~inductor_ext.parallel.CPContext`, ``docs/DESIGN.md`` §8): the
+model runs this rank's tokens of one packed batch; every per-token step (embedding, mHC, norms,
+MLP/MoE, lm_head) is unchanged, KDA layers exchange a conv halo and fold their states across
+ranks, and DSA layers gather the indexer keys and the MLA latent (``graphs/dsa_layer.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from graphs.dsa_layer import IndexedAttention
 from graphs.kda_layer import LinearAttention
 from graphs.modules import MLP, HyperConnection, MoE, RMSNorm, cast_model, resolve_precision
 from inductor_ext import PrecisionConfig, ops
+from inductor_ext.parallel.context import CPContext
 
-__all__ = ["DecoderLayer", "GLM53Model", "check_tokens"]
+__all__ = ["DecoderLayer", "GLM53Model", "check_tokens", "check_cp"]
 
 
 def check_tokens(num_tokens: int, cu_seqlens: torch.Tensor | None, device) -> None:
@@ -36,6 +42,20 @@ def check_tokens(num_tokens: int, cu_seqlens: torch.Tensor | None, device) -> No
         raise ValueError("GLM53: cu_seqlens must be a 1-D int64 tensor of N+1 >= 2 document offsets")
     if cu_seqlens.device != device:
         raise ValueError(f"GLM53: cu_seqlens must be on {device}, got {cu_seqlens.device}")
+
+
+def check_cp(num_tokens: int, cu_seqlens: torch.Tensor | None, cp: CPContext | None) -> None:
+    """Static checks of a context-parallel call: ``cp`` a :class:`CPContext`, no ``cu_seqlens``
+    (the context holds the global offsets), the local token count ``cp.local_tokens``."""
+    if cp is None:
+        return
+    if not isinstance(cp, CPContext):
+        raise ValueError(f"GLM53: cp must be a CPContext (inductor_ext.parallel.cp_context), got {type(cp).__name__}")
+    if cu_seqlens is not None:
+        raise ValueError("GLM53: with cp, pass cu_seqlens to cp_context (global offsets), not to the model")
+    if num_tokens != cp.local_tokens:
+        raise ValueError(f"GLM53: with cp the input holds this rank's {cp.local_tokens} tokens (cp.shard of the "
+                         f"global batch), got {num_tokens}")
 
 
 class DecoderLayer(nn.Module):
@@ -56,22 +76,25 @@ class DecoderLayer(nn.Module):
         self.hc_mult, self.hidden = config.hc_mult, config.hidden_size
 
     def forward(self, streams, cu_seqlens=None, prev_ids=None, precision: PrecisionConfig | None = None,
-                serving: bool = False):
+                serving: bool = False, cp: CPContext | None = None):
         """streams ``[T, N, D]`` → (streams ``[T, N, D]``, token ids ``[T, W]`` int32 of a DSA layer
         or None). ``precision``: argument, else the layer's, else the active config. ``serving``:
-        KDA through the FP32 recurrence (the serving engine's kernel), forward only."""
+        KDA through the FP32 recurrence (the serving engine's kernel), forward only. ``cp``: the
+        streams are this rank's ``T_local`` tokens of a context-parallel batch (``cu_seqlens``
+        None)."""
         prec = resolve_precision(precision if precision is not None else self.precision)
         if streams.dim() != 3 or tuple(streams.shape[1:]) != (self.hc_mult, self.hidden):
             raise ValueError(f"DecoderLayer: streams must be [T, {self.hc_mult}, {self.hidden}], "
                              f"got {tuple(streams.shape)}")
         check_tokens(streams.shape[0], cu_seqlens, streams.device)
+        check_cp(streams.shape[0], cu_seqlens, cp)
         x, post, comb = self.attn_hc(streams)
         x = self.input_layernorm(x)
         ids = None
         if self.kind == "linear_attention":
-            x = self.self_attn(x, cu_seqlens, prec, serving)
+            x = self.self_attn(x, cu_seqlens, prec, serving, cp=cp)
         else:
-            x, ids = self.self_attn(x, cu_seqlens, prev_ids, prec)
+            x, ids = self.self_attn(x, cu_seqlens, prev_ids, prec, cp=cp)
         streams = ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post)
         x, post, comb = self.ffn_hc(streams)
         x = self.mlp(self.post_attention_layernorm(x), prec)
@@ -104,13 +127,17 @@ class GLM53Model(nn.Module):
         return cast_model(self, dtype)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                output_hidden_states: bool = False):
+                output_hidden_states: bool = False, cp: CPContext | None = None):
         """Logits of packed documents.
 
         Args:
-            input_ids: int64 ``[T]`` or ``[1, T]`` (batch 1: documents are packed).
+            input_ids: int64 ``[T]`` or ``[1, T]`` (batch 1: documents are packed); with ``cp``
+                this rank's ``T_local`` tokens (``cp.shard(global_ids)``).
             cu_seqlens: optional int64 ``[N+1]`` document offsets (0 … T); None = one document.
+                Must be None with ``cp`` (the context holds the global offsets).
             output_hidden_states: also return the mHC streams ``[T, N, D]`` after every layer.
+            cp: a :class:`~inductor_ext.parallel.CPContext` (context parallel): the logits and
+                streams are the local tokens' (``cp.unshard`` gathers them in global order).
 
         Returns:
             logits ``[..., T, vocab]`` in the model dtype (leading dims of ``input_ids``), or
@@ -120,21 +147,24 @@ class GLM53Model(nn.Module):
                 (input_ids.dim() == 2 and input_ids.shape[0] != 1):
             raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got "
                              f"{input_ids.dtype} {tuple(input_ids.shape)}")
-        final, hidden = self.final_hidden(input_ids, cu_seqlens, resolve_precision(self.precision))
+        final, hidden = self.final_hidden(input_ids, cu_seqlens, resolve_precision(self.precision), cp=cp)
         logits = self.lm_head(final).view(*input_ids.shape, -1)
         return (logits, hidden) if output_hidden_states else logits
 
     def final_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, precision: PrecisionConfig,
-                     serving: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                     serving: bool = False,
+                     cp: CPContext | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The lm_head input ``[T, D]`` and the mHC streams after every layer, under ``precision``;
-        ``serving`` runs KDA through the FP32 recurrence (see :class:`graphs.serving.ServingForward`)."""
+        ``serving`` runs KDA through the FP32 recurrence (see :class:`graphs.serving.ServingForward`);
+        ``cp``: local tokens of a context-parallel batch (see :meth:`forward`)."""
         tokens = input_ids.reshape(-1)
         check_tokens(tokens.shape[0], cu_seqlens, tokens.device)
+        check_cp(tokens.shape[0], cu_seqlens, cp)
         x = self.embed_tokens(tokens)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         hidden, ids = [], None
         for layer in self.layers:
-            streams, ids = layer(streams, cu_seqlens, ids, precision, serving)
+            streams, ids = layer(streams, cu_seqlens, ids, precision, serving, cp=cp)
             hidden.append(streams)
         return self.norm(streams.mean(dim=1)), tuple(hidden)
 

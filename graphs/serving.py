@@ -1,8 +1,8 @@
 """Serving-numerics forward of the reduced GLM-5.3 model, sharing the training model's weights.
 
 :class:`ServingForward` runs the layers of a :class:`~graphs.model.GLM53Model` (same parameters,
-no copy) with ``serving=True`` (KDA through the recurrence) and runs every precision path with the serving engine's semantics (DESIGN §4), not the
-training path's:
+no copy) with ``serving=True`` (KDA through the recurrence) and runs every precision path with
+the serving engine's semantics (``docs/DESIGN.md`` §4), not the training path's:
 
 - KDA through ``glm53::kda_recurrent`` (the token recurrence with FP32 state and FP32 math),
   never ``kda_chunk``;

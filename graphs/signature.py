@@ -3,7 +3,7 @@
 :func:`recording_backend` is ``aot_eager`` that also keeps the AOTAutograd forward and backward
 FX graphs; :func:`signature` turns one into text, one op a line, with the literal (non-tensor)
 arguments of ``glm53`` ops (where the precision lives), so a change that breaks a graph or swaps a
-precision path shows up as a diff of the recorded files in ``graphs/signatures/``.
+precision path shows up as a diff of the recorded files in ``tests/graphs/signatures/``.
 """
 
 from __future__ import annotations

@@ -18,9 +18,12 @@ import functools
 
 import torch
 
-__all__ = ["selection_mask", "sparse_attention", "IMPLS"]
+__all__ = ["selection_mask", "sparse_attention", "IMPLS", "MAX_MASK_TOKENS"]
 
 IMPLS = ("eager", "flex")
+# the [T, T] mask kernels are kept for parity with transformers, not for length: past this many
+# tokens the decompressed form refuses (the absorbed form, ops.sparse_mla, is O(T·topk))
+MAX_MASK_TOKENS = 16384
 
 
 def selection_mask(token_ids: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -74,8 +77,9 @@ def sparse_attention(q, k, v, token_ids, *, scale: float, impl: str = "eager") -
     """Attention of each query over its selected keys only.
 
     Args:
-        q, k: ``[T, H, Dqk]``; v ``[T, H, Dv]`` (one dtype).
-        token_ids: int32/int64 ``[T, W]`` global key ids per query, -1 padding (the KPool
+        q: ``[T, H, Dqk]``; k ``[S, H, Dqk]``, v ``[S, H, Dv]`` (one dtype; S keys: T, or the
+            global tokens of a context-parallel batch whose T local queries attend over them).
+        token_ids: int32/int64 ``[T, W]`` key ids (rows of k) per query, -1 padding (the KPool
             indexer's output: every row holds at least one id).
         scale: softmax scale; impl: ``"eager"`` | ``"flex"`` (see the module docstring).
 
@@ -84,11 +88,15 @@ def sparse_attention(q, k, v, token_ids, *, scale: float, impl: str = "eager") -
     """
     if impl not in IMPLS:
         raise ValueError(f"sparse_attention: impl must be one of {IMPLS}, got {impl!r}")
-    if q.dim() != 3 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"sparse_attention: q, k must be [T, H, D] and v [T, H, Dv], got "
+    if q.dim() != 3 or k.dim() != 3 or k.shape[1:] != q.shape[1:] or v.dim() != 3 or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"sparse_attention: q must be [T, H, D], k [S, H, D] and v [S, H, Dv], got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if token_ids.dim() != 2 or token_ids.shape[0] != q.shape[0] or token_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"sparse_attention: token_ids must be int32/int64 [T={q.shape[0]}, W], got "
                          f"{token_ids.dtype} {tuple(token_ids.shape)}")
+    if k.shape[0] > MAX_MASK_TOKENS:
+        raise ValueError(f"sparse_attention: the decompressed form builds a [T, T] selection mask and is kept "
+                         f"for parity up to {MAX_MASK_TOKENS} tokens, got {k.shape[0]}; use "
+                         f"PrecisionConfig(mla=\"absorbed\") (ops.sparse_mla, O(T·topk)) for longer sequences")
     mask = selection_mask(token_ids, k.shape[0])
     return (_eager if impl == "eager" else _flex)(q, k, v, mask, scale)

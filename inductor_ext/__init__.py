@@ -13,9 +13,8 @@ Importing needs only torch; GPU kernels (triton, flash-linear-attention, ...) lo
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from inductor_ext import ops  # noqa: E402  (registers the glm53 ops)
+from inductor_ext._version import __version__  # noqa: E402
 from inductor_ext.config import PrecisionConfig, active_config, precision  # noqa: E402
 from inductor_ext.plugin import enable, is_enabled  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m inductor_ext {report,bench,doctor}`` (also the ``glm53-inductor`` script)."""
+"""Command line: ``python -m inductor_ext {report,bench,doctor,mismatch}`` (also the ``glm53-inductor`` script)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import sys
 
 import torch
 
+from inductor_ext import backends
+from inductor_ext.bench import BENCHES, format_benches, run_benches
+from inductor_ext.bench.layer import KINDS, PRECISIONS
+from inductor_ext.parallel import check as cp_check
+from inductor_ext.report import MismatchSettings, default_arms, format_table, run_mismatch, run_report, write_json
+
 __all__ = ["main"]
+
+_LAYER_OPTIONS = ("kinds", "attn_impl", "precision")  # `bench layer`'s own flags, as argparse names them
 
 
 def _progress():
@@ -29,8 +37,6 @@ def _device(arg: str | None, hint: str) -> str:
 
 
 def _doctor() -> dict:
-    from inductor_ext import backends
-
     info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     for name in backends.BACKENDS:
@@ -64,14 +70,24 @@ def _run(argv) -> int:
     rep.add_argument("--tokens", type=int, nargs="+",
                      help="token counts of the CUDA timing: KDA at each, the other benches at the first "
                           "(default: KDA at 129 2048 16384, each other bench its own)")
-    ben = sub.add_parser("bench", help="CUDA-graph replay timing")
-    ben.add_argument("what", choices=("kda", "kpool", "moe", "layer", "all"))
+    ben = sub.add_parser("bench", help="CUDA-graph replay timing",
+                         description="CUDA-graph replay timing (CUDA only): " + "; ".join(
+                             f"{name}: {b.title}" for name, b in BENCHES.items()) + "; all: each in that order. "
+                         "Writes bench.json and bench.md under --out after each benchmark (and each layer kind).")
+    ben.add_argument("what", choices=(*BENCHES, "all"))
     ben.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
     ben.add_argument("--tokens", type=int, nargs="+",
                      help="KDA at each token count, the other benches at the first (default: KDA at 129 2048 "
                           "16384, each other bench its own)")
-    ben.add_argument("--samples", type=int, default=50)
+    ben.add_argument("--samples", type=int, help="replays per timing (default: 50; layer 20)")
+    lay = ben.add_argument_group("bench layer (also under all)")
+    lay.add_argument("--kinds", nargs="+", choices=KINDS, help="layer kinds, one after the other (default: kda dsa)")
+    lay.add_argument("--attn-impl", choices=("flex", "eager"),
+                     help="the DSA layer's sparse attention: flex (FlexAttention, default) or eager (dense masked)")
+    lay.add_argument("--precision", choices=PRECISIONS, help="PrecisionConfig preset (default serving_aligned)")
     sub.add_parser("doctor", help="versions, usable back-ends, which kernel each op takes")
+    cp_check.add_arguments(sub.add_parser(
+        "cp-check", help="context parallel on N processes (gloo on CPU, NCCL on GPUs) against one rank"))
     mis = sub.add_parser("mismatch", help="fixed-token train/serve mismatch-KL ablation over PrecisionConfig arms")
     mis.add_argument("--out", type=pathlib.Path, default=pathlib.Path("mismatch_out"))
     mis.add_argument("--seed", type=int, default=0)
@@ -90,10 +106,10 @@ def _run(argv) -> int:
     if args.command == "doctor":
         print(json.dumps(_doctor(), indent=2))
         return 0
+    if args.command == "cp-check":
+        return cp_check.run(args)
     progress = _progress()
     if args.command == "mismatch":
-        from inductor_ext.mismatch import MismatchSettings, default_arms, format_table, run_mismatch, write_json
-
         arms = default_arms()
         if args.arms:
             bad = [a for a in args.arms if a not in arms]
@@ -108,20 +124,36 @@ def _run(argv) -> int:
         print(f"wrote {write_json(result, args.out)}")
         return 0
     if args.command == "report":
-        from inductor_ext.report import run_report
-
         run_report(args.out, _device(args.device, "use --device cpu"), bench_tokens=args.tokens, progress=progress)
         print((args.out / "report.md").read_text())
         print(f"wrote {args.out}/report.json, report.md, report.png")
         return 0
-    _device("cuda", "bench times CUDA-graph replays; run it on a GPU machine, or `report` on this one")
-    from inductor_ext.bench import BENCHES, format_benches, run_benches
+    return _bench(args, progress)
 
-    results = run_benches(BENCHES if args.what == "all" else (args.what,), args.tokens, args.samples, progress,
-                          on_result=lambda name, r: print(format_benches({name: r})))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out}/bench.json")
+
+def _bench(args, progress) -> int:
+    """``bench``: run the benchmarks, rewriting ``bench.json`` / ``bench.md`` after each (and after
+    each layer kind: a run cut short keeps what finished)."""
+    names = tuple(BENCHES) if args.what == "all" else (args.what,)
+    layer = {k: getattr(args, k) for k in _LAYER_OPTIONS if getattr(args, k) is not None}
+    if layer and "layer" not in names:
+        raise ValueError(f"--kinds, --attn-impl and --precision are options of `bench layer`, not `bench {args.what}`")
+    _device("cuda", "bench times CUDA-graph replays; run it on a GPU machine, or `report` on this one")
+    results = {}
+
+    def save(name, result):
+        results[name] = result
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench.json").write_text(json.dumps(results, indent=2))
+        (args.out / "bench.md").write_text(format_benches(results) + "\n")
+
+    def done(name, result):
+        save(name, result)
+        print(format_benches({name: result}))
+
+    run_benches(names, args.tokens, args.samples, progress, on_result=done,
+                options={"layer": {**layer, "on_partial": lambda result: save("layer", result)}})
+    print(f"wrote {args.out}/bench.json, bench.md")
     return 0
 
 

@@ -12,7 +12,7 @@ import functools
 import importlib
 import logging
 
-__all__ = ["BACKENDS", "available", "load", "register_cuda_kernel", "require", "version"]
+__all__ = ["BACKENDS", "available", "load", "register_cuda_kernel", "register_cuda_router", "require", "version"]
 
 log = logging.getLogger("inductor_ext")
 
@@ -61,11 +61,19 @@ def register_cuda_kernel(op, op_name: str, backend: str, reference, fast, fallba
     """Register ``op``'s CUDA kernel: ``fast()`` (a zero-argument loader of the back-end kernel,
     imported on first call) when ``backend`` imports, else ``reference`` after logging once that
     ``op_name`` uses ``fallback``."""
+    register_cuda_router(op, op_name, lambda *args: (backend, fast), reference, fallback)
+
+
+def register_cuda_router(op, op_name: str, route, reference, fallback: str) -> None:
+    """Register ``op``'s CUDA kernel for an op whose back-end depends on its arguments:
+    ``route(*args)`` returns ``(backend, loader)``; the loaded kernel runs when ``backend`` imports,
+    else ``reference`` after logging once that ``op_name`` uses ``fallback``."""
 
     def kernel(*args):
+        backend, loader = route(*args)
         if load(backend, op_name, fallback=fallback) is None:
             return reference(*args)
-        return fast()(*args)
+        return loader()(*args)
 
     op.register_kernel("cuda")(kernel)
 

@@ -15,18 +15,45 @@ import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 
-__all__ = ["PrecisionConfig", "precision", "active_config"]
+__all__ = [
+    "CHOICES",
+    "KDA_PRECISIONS",
+    "KPOOL_PRECISIONS",
+    "KPOOL_POOLINGS",
+    "HEAD_PROJ_PRECISIONS",
+    "MHC_POST_PRECISIONS",
+    "SWIGLU_MODES",
+    "MOE_ACT_MODES",
+    "MQA_LAYOUTS",
+    "MLA_FORMS",
+    "PrecisionConfig",
+    "precision",
+    "active_config",
+]
 
-# field -> allowed values (the first one is the transformers reference semantics)
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "kda": ("bf16", "fp32"),
-    "kpool": ("bf16", "fp8"),
-    "kpool_pooling": ("reference", "fp32"),
-    "head_proj": ("model", "fp32"),
-    "mhc_post": ("bf16", "fp32"),
-    "swiglu": ("native", "serving"),
-    "moe_act": ("none", "fp8_ue8m0", "fp8_fp32scale"),
-    "mqa_layout": ("compact", "legacy"),
+# The precision vocabulary, defined here once: each op family imports its tuple. The first value of
+# each is the transformers glm5_next reference semantics.
+KDA_PRECISIONS = ("bf16", "fp32")
+KPOOL_PRECISIONS = ("bf16", "fp8")
+KPOOL_POOLINGS = ("reference", "fp32")
+HEAD_PROJ_PRECISIONS = ("model", "fp32")
+MHC_POST_PRECISIONS = ("bf16", "fp32")
+SWIGLU_MODES = ("native", "serving")
+MOE_ACT_MODES = ("none", "fp8_ue8m0", "fp8_fp32scale")
+MQA_LAYOUTS = ("compact", "legacy")
+MLA_FORMS = ("decompressed", "absorbed")
+
+# PrecisionConfig field -> its allowed values
+CHOICES: dict[str, tuple[str, ...]] = {
+    "kda": KDA_PRECISIONS,
+    "kpool": KPOOL_PRECISIONS,
+    "kpool_pooling": KPOOL_POOLINGS,
+    "head_proj": HEAD_PROJ_PRECISIONS,
+    "mhc_post": MHC_POST_PRECISIONS,
+    "swiglu": SWIGLU_MODES,
+    "moe_act": MOE_ACT_MODES,
+    "mqa_layout": MQA_LAYOUTS,
+    "mla": MLA_FORMS,
 }
 
 # the seed training stack's start-up variables, read by from_env() only
@@ -57,6 +84,9 @@ class PrecisionConfig:
       expert inputs and post-SwiGLU activations per 128 group.
     - ``mqa_layout``: ``"compact"`` | ``"legacy"`` — MQA scorer logits layout (sizes the workspace).
     - ``logits_budget_mb``: positive int — bound on the scorer's logits storage in MiB.
+    - ``mla``: ``"decompressed"`` | ``"absorbed"`` — DSA attention form: per-head keys and values
+      from ``kv_b_proj`` (transformers) or the serving form (the query absorbed into the latent,
+      the latent shared by all heads as key and value, ``glm53::sparse_mla``).
 
     Bad values raise ``ValueError`` naming the field and the allowed values.
     """
@@ -70,9 +100,10 @@ class PrecisionConfig:
     moe_act: str = "none"
     mqa_layout: str = "compact"
     logits_budget_mb: int = 256
+    mla: str = "decompressed"
 
     def __post_init__(self) -> None:
-        for name, allowed in _CHOICES.items():
+        for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"PrecisionConfig.{name} must be one of {allowed}, got {value!r}")
@@ -87,7 +118,8 @@ class PrecisionConfig:
 
     @classmethod
     def serving_aligned(cls) -> PrecisionConfig:
-        """Every path aligned to the serving engine (FP8 indexer, FP32 KDA/mHC/SwiGLU, FP8 MoE acts)."""
+        """Every path aligned to the serving engine (FP8 indexer, FP32 KDA/mHC/SwiGLU, FP8 MoE acts,
+        absorbed MLA)."""
         return cls(
             kda="fp32",
             kpool="fp8",
@@ -96,6 +128,7 @@ class PrecisionConfig:
             mhc_post="fp32",
             swiglu="serving",
             moe_act="fp8_ue8m0",
+            mla="absorbed",
         )
 
     @classmethod
@@ -143,7 +176,7 @@ class PrecisionConfig:
     def toggles(self) -> dict[str, PrecisionConfig]:
         """Every config that differs from this one in exactly one choice field, keyed ``field=value``."""
         out = {}
-        for name, allowed in _CHOICES.items():
+        for name, allowed in CHOICES.items():
             for value in allowed:
                 if value != getattr(self, name):
                     out[f"{name}={value}"] = self.replace(**{name: value})

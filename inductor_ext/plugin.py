@@ -5,9 +5,12 @@ Inductor's global state, and only when the user asks: the decompositions of :mod
 Inductor's table (so the cheap ops fuse), an ``InductorChoices`` that keeps reductions of one FP8
 QDQ group (128 elements) persistent and launches them with a fixed, measured tile
 (:func:`lowerings._compat.install_persistent_reductions`), and a post-grad ``CustomGraphPass`` whose
-``uuid()`` hashes this package's version and source files, so Inductor's caches never reuse an
-artifact compiled by another version of the plugin (the precision itself is a literal in the graph
-and already part of every cache key).
+``uuid()`` hashes the package version and the source files that change compiled code (:data:`SALTED`:
+op definitions and kernels, fakes, lowerings, the config, the back-end choice, the workspace plan),
+so Inductor's caches never reuse an artifact compiled by another version of them. Benchmarks,
+reports, the command line and ``graphs`` are not hashed: traced Python code is part of the graph
+itself, and tooling never reaches compiled code. The precision is a literal in the graph and
+already part of every cache key.
 """
 
 from __future__ import annotations
@@ -18,21 +21,50 @@ import pathlib
 
 import torch
 
-from lowerings._compat import CustomGraphPass, get_hash_for_files, inductor_config
+from lowerings._compat import CustomGraphPass, inductor_config
 
-__all__ = ["enable", "is_enabled", "source_hash", "GLM53GraphPass"]
+__all__ = ["enable", "is_enabled", "hash_sources", "salted_files", "source_hash", "GLM53GraphPass", "SALTED"]
 
-_PACKAGES = ("inductor_ext", "lowerings", "fake_impls", "graphs")
+# what the cache salt hashes, relative to the repository root: folders (every .py below) and files
+SALTED = (
+    "inductor_ext/ops",
+    "inductor_ext/kernels",
+    "fake_impls",
+    "lowerings",
+    "inductor_ext/config.py",
+    "inductor_ext/plugin.py",
+    "inductor_ext/_version.py",
+    "inductor_ext/backends.py",
+    "inductor_ext/workspace.py",
+)
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def salted_files(root: pathlib.Path = _ROOT) -> list[pathlib.Path]:
+    """The ``.py`` files :func:`source_hash` covers (:data:`SALTED` below ``root``), sorted."""
+    files = []
+    for entry in SALTED:
+        path = root / entry
+        files.extend(path.rglob("*.py") if path.is_dir() else [path])
+    return sorted(files)
+
+
+def hash_sources(root: pathlib.Path = _ROOT) -> str:
+    """SHA-256 over the package version and the relative path and bytes of each of
+    :func:`salted_files` below ``root``."""
+    from inductor_ext._version import __version__
+
+    hasher = hashlib.sha256(__version__.encode())
+    for path in salted_files(root):
+        hasher.update(path.relative_to(root).as_posix().encode() + b"\0")
+        hasher.update(path.read_bytes())
+    return hasher.hexdigest()
 
 
 @functools.cache
 def source_hash() -> str:
-    """SHA-256 over the plugin's version and every ``.py`` file of its four packages."""
-    from inductor_ext import __version__
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    files = sorted(str(p) for pkg in _PACKAGES for p in (root / pkg).rglob("*.py"))
-    return hashlib.sha256(get_hash_for_files(tuple(files), extra=__version__)).hexdigest()
+    """:func:`hash_sources` of the installed plugin, computed once per process."""
+    return hash_sources()
 
 
 class GLM53GraphPass(CustomGraphPass):

@@ -1,7 +1,7 @@
 """Workspace planning for the KPool indexer's MQA scorer, from static shapes only.
 
 The scorer writes FP32 logits ``[rows, pools]`` into the storage layout of DeepGEMM's
-``fp8_mqa_logits`` at the commit serving engines pin (``shared/DESIGN.md`` §4):
+``fp8_mqa_logits`` at the commit serving engines pin (``docs/DESIGN.md`` §4):
 
 - query rows are padded to a multiple of ``bq = 128 // heads`` (heads 32, 64, 128 → bq 4, 2, 1);
 - ``"compact"`` layout: row stride ``align(pools, 256)`` columns;
@@ -25,6 +25,8 @@ import dataclasses
 
 import torch
 
+from inductor_ext.config import MQA_LAYOUTS as LAYOUTS
+
 __all__ = [
     "LAYOUTS",
     "SUPPORTED_HEADS",
@@ -36,7 +38,6 @@ __all__ = [
     "score_chunk_rows",
 ]
 
-LAYOUTS = ("compact", "legacy")
 SUPPORTED_HEADS = (32, 64, 128)
 _FP32_BYTES = 4
 _MMA_ROWS = 128  # query rows × heads per MMA block of the scorer

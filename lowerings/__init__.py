@@ -37,8 +37,11 @@ def register_all() -> None:
     import torch
 
     from inductor_ext.ops.fp8_qdq import GROUP
-    from lowerings._compat import (install_persistent_reductions, register_inductor_decomposition,
-                                   register_rounding_lowering)
+    from lowerings._compat import (
+        install_persistent_reductions,
+        register_inductor_decomposition,
+        register_rounding_lowering,
+    )
 
     register_rounding_lowering(torch.ops.glm53.round_to.default)
     for op, fn in decompositions().items():

@@ -23,13 +23,12 @@ from collections.abc import Callable
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor import decomposition as _inductor_decomposition
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
 __all__ = [
     "CustomGraphPass",
     "cudagraph_trees_recorded",
-    "get_hash_for_files",
     "inductor_config",
     "inductor_decomposition",
     "install_persistent_reductions",

@@ -3,7 +3,7 @@
 Inductor computes BF16 pointwise work in FP32 and, when it fuses a producer with its consumer,
 drops the FP32 → BF16 → FP32 round trip between them (the C++ backend reuses the FP32 value
 from its CSE cache; Triton's ``to_dtype`` to BF16 is an FP32 cast), unless the global
-``emulate_precision_casts`` is on. The contracts of ``shared/DESIGN.md`` §4 round at given
+``emulate_precision_casts`` is on. The contracts of ``docs/DESIGN.md`` §4 round at given
 places, so the decompositions round through ``glm53::round_to`` (``inductor_ext/ops/round_to.py``),
 lowered to the hardware conversion and back inside the fused kernel: BF16 / FP16, and e4m3
 (Triton's ``cvt.rn.satfinite.e4m3x2``; no float8 tensor appears in the graph, and on the

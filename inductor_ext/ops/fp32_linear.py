@@ -1,6 +1,6 @@
 """``glm53::fp32_linear``: a linear layer computed in IEEE FP32 whatever the input dtypes.
 
-Contract (``shared/DESIGN.md`` §4): ``y = x.float() @ weight.float()ᵀ (+ bias.float())``, output
+Contract (``docs/DESIGN.md`` §4): ``y = x.float() @ weight.float()ᵀ (+ bias.float())``, output
 FP32. Autocast is switched off inside the kernel and the backward (a custom op without an autocast
 kernel would otherwise run its matmul under the caller's autocast dtype), and nothing global is set:
 on CUDA the FP32 matmul is IEEE as long as the caller keeps PyTorch's default
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fp32_linear_reference", "validate_fp32_linear_inputs"]
+__all__ = ["fp32_linear", "fp32_linear_reference", "validate_fp32_linear_inputs"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -53,7 +53,7 @@ _T = torch.Tensor
 
 
 @torch.library.custom_op("glm53::fp32_linear", mutates_args=(), device_types=("cpu", "cuda"))
-def fp32_linear(x: _T, weight: _T, bias: _T | None) -> _T:
+def _fp32_linear_op(x: _T, weight: _T, bias: _T | None) -> _T:
     """``x [..., in]`` (bf16/fp16/fp32) · ``weight [out, in]``ᵀ + ``bias [out]`` in IEEE FP32 →
     FP32 ``[..., out]``. Kernel: :func:`fp32_linear_reference`."""
     return fp32_linear_reference(x, weight, bias)
@@ -81,4 +81,20 @@ def _backward(ctx, dy):
     return dx, dw, db
 
 
-fp32_linear.register_autograd(_backward, setup_context=_setup_context)
+_fp32_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fp32_linear(x, weight, bias=None):
+    """Linear layer in IEEE FP32, ``glm53::fp32_linear``; autocast-safe (autocast is off inside).
+
+    Args:
+        x: ``[..., in]`` bf16, fp16 or fp32.
+        weight: ``[out, in]`` bf16, fp16 or fp32.
+        bias: optional ``[out]``.
+
+    Returns:
+        ``x.float() @ weight.float()ᵀ + bias.float()`` as FP32 ``[..., out]``. Differentiable in
+        every input; gradients are computed in FP32 and returned in each input's dtype.
+    """
+    validate_fp32_linear_inputs(x, weight, bias)
+    return torch.ops.glm53.fp32_linear(x, weight, bias)

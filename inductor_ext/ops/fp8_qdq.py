@@ -1,6 +1,6 @@
 """``glm53::fp8_qdq``: per-128-group FP8 (e4m3) quantize-dequantize of activations.
 
-Contract (``shared/DESIGN.md`` §4), per contiguous group ``a`` of 128 elements of the last dim,
+Contract (``docs/DESIGN.md`` §4), per contiguous group ``a`` of 128 elements of the last dim,
 computed in FP32 from the input::
 
     amax = max(max|a|, 1e-6)
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil",
+__all__ = ["fp8_qdq", "GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil",
            "pow2_reciprocal", "scaled_quotient", "validate_fp8_qdq_inputs"]
 
 GROUP = 128
@@ -91,7 +91,7 @@ _T = torch.Tensor
 
 
 @torch.library.custom_op("glm53::fp8_qdq", mutates_args=(), device_types=("cpu", "cuda"))
-def fp8_qdq(x: _T, scale_fmt: str) -> tuple[_T, _T]:
+def _fp8_qdq_op(x: _T, scale_fmt: str) -> tuple[_T, _T]:
     """FP8 e4m3 quantize-dequantize of ``x [..., D]`` (D % 128 == 0) per 128 group:
     (â ``[..., D]`` in x's dtype, scales FP32 ``[..., D/128]``). Kernel: :func:`fp8_qdq_reference`."""
     return fp8_qdq_reference(x, scale_fmt)
@@ -109,4 +109,22 @@ def _backward(ctx, dout, _dscale):
     return dout.to(ctx.x_dtype), None  # straight-through estimator
 
 
-fp8_qdq.register_autograd(_backward, setup_context=_setup_context)
+_fp8_qdq_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fp8_qdq(x, *, scale_fmt="ue8m0", return_scale=False):
+    """FP8 e4m3 quantize-dequantize per contiguous 128 group of the last dim, ``glm53::fp8_qdq``.
+
+    Args:
+        x: ``[..., D]`` bf16, fp16 or fp32 with D % 128 == 0.
+        scale_fmt: ``"ue8m0"`` (scale ``2^ceil(log2(amax/448))``) or ``"fp32"`` (``amax/448``);
+            amax = max|group| floored at 1e-6. Computed in FP32 from x.
+        return_scale: also return the FP32 scales ``[..., D/128]``.
+
+    Returns:
+        â ``[..., D]`` in x's dtype (``e4m3(clamp(x/s, ±448)) · s``), or ``(â, scales)``. The
+        backward is the straight-through identity.
+    """
+    validate_fp8_qdq_inputs(x, scale_fmt)
+    out, scales = torch.ops.glm53.fp8_qdq(x, scale_fmt)
+    return (out, scales) if return_scale else out

@@ -2,11 +2,12 @@
 ``glm53::kpool_compress``, ``glm53::kpool_quant_query``, ``glm53::kpool_logits``,
 ``glm53::kpool_select`` and the composite :func:`kpool_indexer` the DSA layer calls.
 
-Contract: ``shared/DESIGN.md`` §4 "KPool indexer"; numerics: :mod:`inductor_ext.ops.kpool_reference`.
+Contract: ``docs/DESIGN.md`` §4 "KPool indexer"; numerics: :mod:`inductor_ext.ops.kpool_reference`.
 Every op has a plain-torch kernel (the CPU kernel, and the CUDA one of ``kpool_project``); compress,
 query quantization, scoring and selection register Triton kernels for CUDA (below) that match it.
-Static output shapes (widths from input shapes and int/str arguments) and no host synchronisation, so the whole pipeline traces into one graph and captures into a CUDA
-graph. The indexer is frozen (forward only, integer outputs): no autograd formulas.
+Static output shapes (widths from input shapes and int/str arguments) and no host synchronisation,
+so the whole pipeline traces into one graph and captures into a CUDA graph. The indexer is frozen
+(forward only, integer outputs): no autograd formulas.
 
 Shapes: T tokens of packed documents (``cu_seqlens`` int64 [N+1], batch 1); H indexer heads (32,
 64 or 128); D = 128; P pool size; S = T // P pool slots.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from inductor_ext import backends, workspace
+from inductor_ext.config import KPOOL_POOLINGS as POOLINGS
+from inductor_ext.config import KPOOL_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
 from inductor_ext.ops import kpool_reference as ref
 from inductor_ext.ops._checks import check_cu_seqlens_values, eager
@@ -41,8 +44,6 @@ TAILS = ("compact", "fixed")
 INDEXER_EPS = 1e-6  # the indexer key LayerNorm's epsilon (GLM-5.3)
 INDEXER_SCALE_FMT = "ue8m0"  # the FP8 indexer's scale format (serving's)
 HEAD_PROJ = ("model", "fp32")
-PRECISIONS = ("bf16", "fp8")
-POOLINGS = ("reference", "fp32")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def _kpool_select_op(
         return ref.select_reference(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail)
 
 
-# CUDA kernels: Triton (inductor_ext/kernels/kpool_*_triton.py); without triton the plain-torch
+# CUDA kernels: Triton (inductor_ext/kernels/kpool/); without triton the plain-torch
 # reference runs on CUDA too, logged once per op.
 _FALLBACK = "the plain-torch reference kernel"
 
@@ -104,9 +105,9 @@ def _register_cuda(op, name: str, reference, triton_entry: str) -> None:
         return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out
 
     def triton_kernel():
-        from inductor_ext.kernels import kpool_triton
+        from inductor_ext.kernels import kpool
 
-        return getattr(kpool_triton, triton_entry)
+        return getattr(kpool, triton_entry)
 
     backends.register_cuda_kernel(op, f"glm53::{name}", "triton", plain, triton_kernel, fallback=_FALLBACK)
 
@@ -285,7 +286,7 @@ def kpool_logits(q, w, pool, pool_scale, *, precision, layout="compact"):
             score = scale[p]·Σ_h w_eff·relu(q8·k8). FP32 accumulation of exact products (the CPU
             kernel); on CUDA the FP8 dots accumulate on the FP8 tensor cores as the serving
             scorer (DeepGEMM ``fp8_mqa_logits``) does, ~1e-4 relative from the FP32 sums
-            (:mod:`inductor_ext.kernels.kpool_score_triton`).
+            (:mod:`inductor_ext.kernels.kpool.score`).
         layout: ``"compact"`` | ``"legacy"``: the padded workspace layout (:mod:`inductor_ext.workspace`).
 
     Returns:

@@ -1,4 +1,4 @@
-"""Plain-torch reference kernels of the KPool indexer (``shared/DESIGN.md`` §4, "KPool indexer").
+"""Plain-torch reference kernels of the KPool indexer (``docs/DESIGN.md`` §4, "KPool indexer").
 
 Device-generic (CPU and CUDA run the same code); every function has static output shapes, so the
 ops built on them never synchronise with the host. Shapes: T tokens (packed documents, batch 1),

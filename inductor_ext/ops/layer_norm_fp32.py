@@ -1,6 +1,6 @@
 """``glm53::layer_norm_fp32``: LayerNorm over the last dim computed in FP32, output in x's dtype.
 
-Contract (``shared/DESIGN.md`` §4): ``x̂ = (x.float() − μ) / sqrt(σ² + eps)`` with the biased
+Contract (``docs/DESIGN.md`` §4): ``x̂ = (x.float() − μ) / sqrt(σ² + eps)`` with the biased
 variance, ``y = x̂ · weight.float() + bias.float()`` (each optional), one rounding to x's dtype.
 Autocast is off inside. The backward recomputes μ and rstd in FP32 and returns every gradient in
 its input's dtype (one rounding each).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["layer_norm_fp32_reference", "validate_layer_norm_fp32_inputs"]
+__all__ = ["layer_norm_fp32", "layer_norm_fp32_reference", "validate_layer_norm_fp32_inputs"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -60,7 +60,7 @@ _T = torch.Tensor
 
 
 @torch.library.custom_op("glm53::layer_norm_fp32", mutates_args=(), device_types=("cpu", "cuda"))
-def layer_norm_fp32(x: _T, weight: _T | None, bias: _T | None, eps: float) -> _T:
+def _layer_norm_fp32_op(x: _T, weight: _T | None, bias: _T | None, eps: float) -> _T:
     """LayerNorm of ``x [..., D]`` with optional ``weight [D]``, ``bias [D]``, computed in FP32;
     output ``[..., D]`` in x's dtype. Kernel: :func:`layer_norm_fp32_reference`."""
     return layer_norm_fp32_reference(x, weight, bias, eps)
@@ -92,4 +92,20 @@ def _backward(ctx, dy):
     return dx, dw, db, None
 
 
-layer_norm_fp32.register_autograd(_backward, setup_context=_setup_context)
+_layer_norm_fp32_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def layer_norm_fp32(x, weight=None, bias=None, eps=1e-6):
+    """LayerNorm over the last dim computed in FP32, ``glm53::layer_norm_fp32``.
+
+    Args:
+        x: ``[..., D]`` bf16, fp16 or fp32.
+        weight, bias: optional ``[D]`` (any float dtype; promoted to FP32).
+        eps: variance epsilon (default 1e-6, the GLM-5.3 indexer's key norm).
+
+    Returns:
+        ``[..., D]`` in x's dtype, rounded once from the FP32 result. Differentiable in x, weight
+        and bias (FP32 backward, gradients in the inputs' dtypes).
+    """
+    validate_layer_norm_fp32_inputs(x, weight, bias, eps)
+    return torch.ops.glm53.layer_norm_fp32(x, weight, bias, float(eps))

@@ -31,10 +31,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PRECISIONS", "mhc_pre_reference", "mhc_post_reference", "validate_mhc_pre_inputs",
+from inductor_ext.config import MHC_POST_PRECISIONS as PRECISIONS
+from inductor_ext.config import active_config
+
+__all__ = ["mhc_pre", "mhc_post", "PRECISIONS", "mhc_pre_reference", "mhc_post_reference", "validate_mhc_pre_inputs",
            "validate_mhc_post_inputs"]
 
-PRECISIONS = ("bf16", "fp32")
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -182,7 +184,7 @@ _T = torch.Tensor
 
 
 @torch.library.custom_op("glm53::mhc_pre", mutates_args=(), device_types=("cpu", "cuda"))
-def mhc_pre(x: _T, fn: _T, base: _T, scale: _T, norm_eps: float, hc_eps: float,
+def _mhc_pre_op(x: _T, fn: _T, base: _T, scale: _T, norm_eps: float, hc_eps: float,
             sinkhorn_iters: int) -> tuple[_T, _T, _T]:
     """mHC collapse: (mixed ``[..., D]`` x's dtype, post FP32 ``[..., N]``, comb FP32 ``[..., N, N]``)
     from streams ``x [..., N, D]``. Kernel: :func:`mhc_pre_reference`."""
@@ -190,7 +192,7 @@ def mhc_pre(x: _T, fn: _T, base: _T, scale: _T, norm_eps: float, hc_eps: float,
 
 
 @torch.library.custom_op("glm53::mhc_post", mutates_args=(), device_types=("cpu", "cuda"))
-def mhc_post(f: _T, residual: _T, post: _T, comb: _T, precision: str) -> _T:
+def _mhc_post_op(f: _T, residual: _T, post: _T, comb: _T, precision: str) -> _T:
     """mHC expansion: ``[..., N, D]`` = post[o]·f + Σ_s comb[s,o]·residual[s] in residual's dtype;
     precision "bf16" | "fp32". Kernel: :func:`mhc_post_reference`."""
     return mhc_post_reference(f, residual, post, comb, precision)
@@ -223,5 +225,42 @@ def _post_backward(ctx, dout):
             dcomb.to(comb.dtype), None)
 
 
-mhc_pre.register_autograd(_pre_backward, setup_context=_pre_setup)
-mhc_post.register_autograd(_post_backward, setup_context=_post_setup)
+_mhc_pre_op.register_autograd(_pre_backward, setup_context=_pre_setup)
+_mhc_post_op.register_autograd(_post_backward, setup_context=_post_setup)
+
+
+def mhc_pre(x, fn, base, scale, *, norm_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20):
+    """mHC coefficients and stream collapse (transformers ``Glm5NextTextHyperConnection``),
+    ``glm53::mhc_pre``; FP32 math.
+
+    Args:
+        x: streams ``[..., N, D]`` (GLM-5.3: N = 4), bf16, fp16 or fp32.
+        fn: ``[(2+N)·N, N·D]``; base: ``[(2+N)·N]``; scale: ``[3]`` (the module's parameters).
+        norm_eps: the stream RMSNorm's epsilon (``rms_norm_eps``); hc_eps: ``hc_eps``;
+        sinkhorn_iters: ``hc_sinkhorn_iters``.
+
+    Returns:
+        ``(mixed, post, comb)``: the sublayer input ``[..., D]`` in x's dtype, post FP32
+        ``[..., N]``, comb FP32 ``[..., N, N]`` (doubly stochastic, rows = input streams).
+        Differentiable in x, fn, base and scale.
+    """
+    validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return torch.ops.glm53.mhc_pre(x, fn, base, scale, float(norm_eps), float(hc_eps), sinkhorn_iters)
+
+
+def mhc_post(f, residual, post, comb, *, precision=None):
+    """mHC expansion ``out[o] = post[o]·f + Σ_s comb[s,o]·residual[s]``, ``glm53::mhc_post``.
+
+    Args:
+        f: sublayer output ``[..., D]``, residual's dtype.
+        residual: the streams fed to :func:`mhc_pre`, ``[..., N, D]``.
+        post ``[..., N]``, comb ``[..., N, N]``: from :func:`mhc_pre` (any float dtype).
+        precision: ``"bf16"`` (transformers: in residual's dtype, several roundings) or ``"fp32"``
+            (FP32, one rounding); ``None`` takes ``PrecisionConfig.mhc_post`` of the active config.
+
+    Returns:
+        ``[..., N, D]`` in residual's dtype; differentiable in every tensor input.
+    """
+    precision = active_config().mhc_post if precision is None else precision
+    validate_mhc_post_inputs(f, residual, post, comb, precision)
+    return torch.ops.glm53.mhc_post(f, residual, post, comb, precision)

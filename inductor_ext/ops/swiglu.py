@@ -1,6 +1,6 @@
 """``glm53::swiglu``: the clamped SwiGLU of GLM-5.3's MLPs and experts.
 
-Contract (``shared/DESIGN.md`` §4), L = ``limit`` (``swiglu_limit`` = 10 in GLM-5.3)::
+Contract (``docs/DESIGN.md`` §4), L = ``limit`` (``swiglu_limit`` = 10 in GLM-5.3)::
 
     y = silu(min(gate, L)) · clamp(up, −L, L)
 
@@ -23,9 +23,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MODES", "swiglu_reference", "validate_swiglu_inputs"]
+from inductor_ext.config import SWIGLU_MODES as MODES
+from inductor_ext.config import active_config
 
-MODES = ("native", "serving")
+__all__ = ["swiglu", "MODES", "swiglu_reference", "validate_swiglu_inputs"]
+
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -60,7 +62,7 @@ _T = torch.Tensor
 
 
 @torch.library.custom_op("glm53::swiglu", mutates_args=(), device_types=("cpu", "cuda"))
-def swiglu(gate: _T, up: _T, limit: float, mode: str) -> _T:
+def _swiglu_op(gate: _T, up: _T, limit: float, mode: str) -> _T:
     """``silu(min(gate, limit)) · clamp(up, ±limit)``; gate, up ``[...]`` same shape and dtype,
     output in that dtype; ``mode`` "native" | "serving". Kernel: :func:`swiglu_reference`."""
     return swiglu_reference(gate, up, limit, mode)
@@ -91,4 +93,22 @@ def _backward(ctx, dy):
     return torch.where(gate_in, dg, zero), torch.where(up_in, du, zero), None, None
 
 
-swiglu.register_autograd(_backward, setup_context=_setup_context)
+_swiglu_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def swiglu(gate, up, *, limit=10.0, mode=None):
+    """Clamped SwiGLU ``silu(min(gate, limit)) · clamp(up, ±limit)``, ``glm53::swiglu``.
+
+    Args:
+        gate, up: same shape ``[...]`` and dtype (bf16, fp16 or fp32).
+        limit: ``swiglu_limit`` (> 0, GLM-5.3: 10).
+        mode: ``"native"`` (transformers: every step in the input dtype) or ``"serving"`` (FP32
+            with silu as ``g / (1 + exp(-g))``, one rounding); ``None`` takes
+            ``PrecisionConfig.swiglu`` of the active config.
+
+    Returns:
+        ``[...]`` in the input dtype; differentiable in gate and up.
+    """
+    mode = active_config().swiglu if mode is None else mode
+    validate_swiglu_inputs(gate, up, limit, mode)
+    return torch.ops.glm53.swiglu(gate, up, float(limit), mode)

@@ -1,0 +1,3 @@
+"""The package version (a leaf module: the plugin's cache salt reads it)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,24 @@
+"""CUDA kernels of the ``batch_invariant`` family (``glm53::bi_*``), written in Triton (``triton>=3.6``):
+
+- :mod:`.matmul`: ``glm53::bi_linear``, one program per output tile over the full K (fixed K block,
+  no split-K, one fixed tile configuration per compute dtype, no autotuning);
+- :mod:`.norms`: ``glm53::bi_rms_norm``, ``bi_layer_norm``, ``bi_log_softmax`` and ``bi_row_sum``,
+  one program per row with a fixed lane loop and an explicit halving tree.
+
+Block sizes come from the caller (``inductor_ext.ops.batch_invariant_reference``); these modules
+import only torch and triton. Grids come from static shapes and no launch reads device data, so
+the kernels capture into CUDA graphs. Imported lazily by :mod:`inductor_ext.ops.batch_invariant`
+when the ``triton`` back-end is available; they also run on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from inductor_ext.kernels.batch_invariant.matmul import CONFIGS, bi_matmul
+from inductor_ext.kernels.batch_invariant.norms import (
+    MAX_BLOCK,
+    bi_layer_norm_rows,
+    bi_log_softmax_rows,
+    bi_rms_norm_rows,
+    bi_row_sum_rows,
+)
+
+__all__ = ["CONFIGS", "MAX_BLOCK", "bi_matmul", "bi_rms_norm_rows", "bi_layer_norm_rows", "bi_log_softmax_rows",
+           "bi_row_sum_rows"]

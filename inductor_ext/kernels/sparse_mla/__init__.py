@@ -1,0 +1,10 @@
+"""Triton kernels of ``glm53::sparse_mla`` (CUDA): :func:`sparse_mla_fwd` (``forward.py``) and
+:func:`sparse_mla_bwd` (``backward.py``, deterministic int64 fixed-point ``dkv``).
+
+The modules import only torch and triton, so a GPU machine can load them by path without the
+package (``importlib.util.spec_from_file_location``)."""
+
+from .backward import fixed_point_scale, sparse_mla_bwd
+from .forward import sparse_mla_fwd
+
+__all__ = ["sparse_mla_fwd", "sparse_mla_bwd", "fixed_point_scale"]

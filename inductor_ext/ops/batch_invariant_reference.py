@@ -1,0 +1,280 @@
+"""Leaf of the ``batch_invariant`` family: constants, input checks and the plain-torch reference
+kernels of ``glm53::bi_linear``, ``bi_rms_norm``, ``bi_layer_norm``, ``bi_log_softmax`` and
+``bi_row_sum`` (imports only torch).
+
+Batch invariance: every output row is a bitwise function of that row's inputs (and the weights)
+alone, whatever the number of rows M in the call, because every reduction runs in an order fixed
+by the reduced length, never by M:
+
+- **K reduction of bi_linear** (``x [M, K] · weight [N, K]ᵀ``): K is cut into blocks of
+  :data:`BLOCK_K` (zero-padded at the end); each block's FP32 products are summed in ascending k,
+  and the block sums are added to an FP32 accumulator in ascending block order (the structure of
+  the Triton kernel's ``acc = dot(a_k, b_k, acc)`` loop; inside a block the GPU's MMA has its own
+  fixed order, so GPU and CPU agree within a tolerance, each invariant). No split-K, no block size
+  chosen from M.
+- **Row reductions** (norm statistics, log-sum-exp, row sums): :data:`ROW_BLOCK` FP32 lanes; lane
+  ``j`` accumulates elements ``j, j + ROW_BLOCK, j + 2·ROW_BLOCK, …`` in ascending order (padding
+  adds the identity), then the halving tree folds the lanes. That is exactly the loop of the
+  Triton kernels in ``inductor_ext/kernels/batch_invariant`` (one program per row).
+
+Every step is an elementwise torch op on CPU (IEEE FP32 multiply, add, divide; IEEE sqrt through
+FP64, :func:`sqrt_rn`; no fused
+multiply-add; no ``torch.matmul`` and no torch reduction kernel, whose blocking may depend on the
+shape), so the argument holds by construction: a row's elements see the same sequence of
+operations whatever the other rows are. The tests check it bitwise for M = 1..64 and inside a 4096-row
+call (``tests/ops/test_batch_invariant.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "BLOCK_K",
+    "ROW_BLOCK",
+    "FLOATS",
+    "tree_sum",
+    "tree_max",
+    "lane_sum",
+    "lane_max",
+    "sqrt_rn",
+    "validate_bi_linear_inputs",
+    "validate_bi_rms_norm_inputs",
+    "validate_bi_layer_norm_inputs",
+    "validate_bi_log_softmax_inputs",
+    "validate_bi_row_sum_inputs",
+    "bi_linear_reference",
+    "bi_rms_norm_reference",
+    "bi_layer_norm_reference",
+    "bi_log_softmax_reference",
+    "bi_row_sum_reference",
+    "rms_norm_output_dtype",
+]
+
+BLOCK_K = 64  # the K block of bi_linear: fixed, never chosen from M (no split-K)
+ROW_BLOCK = 1024  # FP32 lanes of the row reductions (a power of two), fixed
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixed-order reductions (elementwise torch ops only)
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) by the halving tree ``t[:h] + t[h:]`` until one
+    element remains: the order the Triton kernels' ``_tree_sum`` uses."""
+    while t.shape[-1] > 1:
+        h = t.shape[-1] // 2
+        t = t[..., :h] + t[..., h:]
+    return t[..., 0]
+
+
+def tree_max(t: torch.Tensor) -> torch.Tensor:
+    """Max over the last dim (a power of two) by the halving tree, ``fmax`` (NaN-ignoring, as
+    ``tl.maximum`` on the GPU)."""
+    while t.shape[-1] > 1:
+        h = t.shape[-1] // 2
+        t = torch.fmax(t[..., :h], t[..., h:])
+    return t[..., 0]
+
+
+def _lanes(x2: torch.Tensor, fill: float) -> torch.Tensor:
+    """``x2 [R, L]`` padded with ``fill`` to a multiple of :data:`ROW_BLOCK`, viewed ``[R, blocks, lanes]``."""
+    R, L = x2.shape
+    blocks = max(1, -(-L // ROW_BLOCK))
+    padded = x2.new_full((R, blocks * ROW_BLOCK), fill)
+    padded[:, :L] = x2
+    return padded.view(R, blocks, ROW_BLOCK)
+
+
+def lane_sum(x2: torch.Tensor) -> torch.Tensor:
+    """FP32 sum over the last dim of ``x2 [R, L]`` in the fixed lane order (module docstring) → ``[R]``."""
+    blocks = _lanes(x2.float(), 0.0)
+    acc = torch.zeros_like(blocks[:, 0])
+    for b in range(blocks.shape[1]):
+        acc = acc + blocks[:, b]
+    return tree_sum(acc)
+
+
+def lane_max(x2: torch.Tensor) -> torch.Tensor:
+    """FP32 max over the last dim of ``x2 [R, L]`` in the fixed lane order (``fmax``) → ``[R]``."""
+    blocks = _lanes(x2.float(), float("-inf"))
+    acc = torch.full_like(blocks[:, 0], float("-inf"))
+    for b in range(blocks.shape[1]):
+        acc = torch.fmax(acc, blocks[:, b])
+    return tree_max(acc)
+
+
+def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
+    """IEEE (correctly rounded) FP32 square root: through FP64, exact after the one rounding back
+    (53 >= 2·24 + 2 bits). torch's FP32 ``sqrt`` on CPU is not correctly rounded (it differs from
+    IEEE in ~17% of uniform inputs in torch 2.13); the Triton kernels use ``sqrt_rn``."""
+    return torch.sqrt(t.double()).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks (static: shapes, dtypes, devices; never data)
+# ---------------------------------------------------------------------------------------------
+
+
+def _floats(op: str, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype not in FLOATS:
+            raise ValueError(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+    present = [t for t in tensors.values() if t is not None]
+    devices = {t.device for t in present}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if present[0].device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: tensors must be on cpu or cuda, got {present[0].device}")
+
+
+def _last_dim(op: str, x) -> None:
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{op}: x must be [..., D] with D >= 1, got {tuple(x.shape)}")
+
+
+def _vector(op: str, name: str, t, d: int) -> None:
+    if t is not None and tuple(t.shape) != (d,):
+        raise ValueError(f"{op}: {name} must be [D={d}], got {tuple(t.shape)}")
+
+
+def _eps(op: str, eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{op}: eps must be a float > 0, got {eps!r}")
+
+
+def validate_bi_linear_inputs(x, weight, bias, out_dtype) -> None:
+    """``x [..., K]``, ``weight [N, K]``, optional ``bias [N]`` (float dtypes, one device, K, N >= 1);
+    ``out_dtype`` a float dtype. ``ValueError`` naming the rule."""
+    op = "bi_linear"
+    _floats(op, x=x, weight=weight, bias=bias)
+    _last_dim(op, x)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(f"{op}: weight must be [N >= 1, K={x.shape[-1]}], got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{op}: bias must be [N={weight.shape[0]}], got {tuple(bias.shape)}")
+    if out_dtype not in FLOATS:
+        raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+
+
+def validate_bi_rms_norm_inputs(x, weight, eps) -> None:
+    """``x [..., D]``, ``weight [D]`` (float dtypes, one device), ``eps > 0``."""
+    op = "bi_rms_norm"
+    _floats(op, x=x, weight=weight)
+    _last_dim(op, x)
+    _vector(op, "weight", weight, x.shape[-1])
+    _eps(op, eps)
+
+
+def validate_bi_layer_norm_inputs(x, weight, bias, eps) -> None:
+    """``x [..., D]``, optional ``weight [D]`` and ``bias [D]`` (float dtypes, one device), ``eps > 0``."""
+    op = "bi_layer_norm"
+    _floats(op, x=x, weight=weight, bias=bias)
+    _last_dim(op, x)
+    _vector(op, "weight", weight, x.shape[-1])
+    _vector(op, "bias", bias, x.shape[-1])
+    _eps(op, eps)
+
+
+def validate_bi_log_softmax_inputs(x) -> None:
+    """``x [..., V]`` with V >= 1, a float dtype, on cpu or cuda."""
+    _floats("bi_log_softmax", x=x)
+    _last_dim("bi_log_softmax", x)
+
+
+def validate_bi_row_sum_inputs(x) -> None:
+    """``x [..., L]`` with L >= 1, a float dtype, on cpu or cuda."""
+    _floats("bi_row_sum", x=x)
+    _last_dim("bi_row_sum", x)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference kernels (every device; batch-invariant by construction)
+# ---------------------------------------------------------------------------------------------
+
+
+def bi_linear_reference(x, weight, bias, out_dtype):
+    """``x [..., K] · weight [N, K]ᵀ (+ bias)`` in FP32: K in :data:`BLOCK_K` blocks (zero-padded),
+    each block's products summed in ascending k, block sums added to the accumulator in ascending
+    order, bias added last, one rounding to ``out_dtype`` → ``[..., N]`` contiguous."""
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    kp = -(-K // BLOCK_K) * BLOCK_K
+    xt = x2.new_zeros((kp, M, 1), dtype=torch.float32)  # k-major columns of x, zero-padded
+    xt[:K, :, 0] = x2.t()
+    wt = weight.new_zeros((kp, 1, N), dtype=torch.float32)
+    wt[:K, 0] = weight.t()
+    acc = xt.new_zeros((M, N))
+    part, product = torch.empty_like(acc), torch.empty_like(acc)
+    for k0 in range(0, kp, BLOCK_K):
+        torch.mul(xt[k0], wt[k0], out=part)  # every element: one FP32 product, then adds in k order
+        for k in range(k0 + 1, k0 + BLOCK_K):
+            torch.mul(xt[k], wt[k], out=product)
+            part += product
+        acc += part
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype).reshape(*x.shape[:-1], N)
+
+
+def rms_norm_output_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """``weight · x̂.to(x.dtype)`` in torch's promotion of the two dtypes (the model's RMSNorm)."""
+    return torch.promote_types(x_dtype, weight_dtype)
+
+
+def bi_rms_norm_reference(x, weight, eps):
+    """RMSNorm with the model's semantics (``graphs/modules.py`` RMSNorm): ``x̂ = x / sqrt(Σx²/D + eps)``
+    in FP32 (fixed-order Σ, IEEE sqrt and divide), rounded to x's dtype, then ``weight · x̂`` computed
+    in FP32 and rounded once to ``promote_types(x.dtype, weight.dtype)`` (what torch's ``weight * x̂``
+    gives) → ``[..., D]`` contiguous."""
+    D = x.shape[-1]
+    xf = x.reshape(-1, D).float()
+    s = sqrt_rn(lane_sum(xf * xf) / D + eps)
+    n = (xf / s[:, None]).to(x.dtype).float()
+    y = n * weight.float()
+    return y.to(rms_norm_output_dtype(x.dtype, weight.dtype)).reshape(x.shape)
+
+
+def _layer_norm_stats(xf):
+    """Per row of FP32 ``xf [R, D]``: ``xc = x − μ`` and ``var = Σxc²/D`` (μ = Σx/D), fixed order."""
+    D = xf.shape[-1]
+    mean = lane_sum(xf) / D
+    xc = xf - mean[:, None]
+    return xc, lane_sum(xc * xc) / D
+
+
+def bi_layer_norm_reference(x, weight, bias, eps):
+    """LayerNorm in FP32: ``x̂ = (x − μ) / sqrt(var + eps)`` (biased variance, two fixed-order
+    passes), ``y = x̂ · weight + bias`` (each optional, multiply then add), one rounding to x's dtype."""
+    D = x.shape[-1]
+    xc, var = _layer_norm_stats(x.reshape(-1, D).float())
+    y = xc / sqrt_rn(var + eps)[:, None]
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(x.shape)
+
+
+def bi_log_softmax_reference(x):
+    """``log_softmax`` over the last dim in FP32: ``(x − m) − log Σ exp(x − m)`` with ``m`` the
+    fixed-order ``fmax`` and the fixed-order sum → FP32 ``[..., V]`` contiguous."""
+    V = x.shape[-1]
+    xf = x.reshape(-1, V).float()
+    m = lane_max(xf)
+    z = xf - m[:, None]
+    out = z - torch.log(lane_sum(torch.exp(z)))[:, None]
+    return out.reshape(x.shape)
+
+
+def bi_row_sum_reference(x):
+    """FP32 sum over the last dim in the fixed lane order → FP32 ``[...]`` (the backward's reductions)."""
+    L = x.shape[-1]
+    return lane_sum(x.reshape(-1, L)).reshape(x.shape[:-1])

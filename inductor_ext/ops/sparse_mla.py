@@ -1,0 +1,145 @@
+"""``glm53::sparse_mla`` (DSA sparse attention, absorbed MLA form) and ``glm53::sparse_mla_bwd``.
+
+Contract: ``docs/DESIGN.md`` §4 "sparse_mla"; numerics and input rules:
+:mod:`inductor_ext.ops.sparse_mla_reference` (the CPU kernels, plain torch). CUDA kernels: Triton
+(:mod:`inductor_ext.kernels.sparse_mla`); without triton the plain-torch reference runs on CUDA
+too, logged once. Static output shapes and no host synchronisation in the ops, so a layer that calls
+them compiles into one graph and captures into a CUDA graph. ``token_ids`` get no gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from inductor_ext import backends
+from inductor_ext.ops import sparse_mla_reference as ref
+from inductor_ext.ops._checks import eager
+
+__all__ = ["sparse_mla"]
+
+_T = torch.Tensor
+# CPU kernel here, CUDA kernel through backends.register_cuda_kernel below (one device type per
+# registration: torch 2.13's custom_op binds every device type of one call to the last one's kernel)
+_DEVICES = "cpu"
+_FALLBACK = "the plain-torch reference kernel"
+
+
+@torch.library.custom_op("glm53::sparse_mla", mutates_args=(), device_types=_DEVICES)
+def _sparse_mla_op(q: _T, kv: _T, token_ids: _T, scale: float, d_v: int, deterministic: bool) -> tuple[_T, _T]:
+    """(out [T, H, d_v] q.dtype, lse [T, H] fp32); see :func:`sparse_mla`. ``deterministic`` only
+    selects the backward's dkv accumulation (saved for it)."""
+    with torch.no_grad():
+        return ref.sparse_mla_reference(q, kv, token_ids, scale, d_v)
+
+
+@torch.library.custom_op("glm53::sparse_mla_bwd", mutates_args=(), device_types=_DEVICES)
+def _sparse_mla_bwd_op(
+    q: _T, kv: _T, token_ids: _T, out: _T, lse: _T, dout: _T, dlse: _T, scale: float, d_v: int,
+    deterministic: bool,
+) -> tuple[_T, _T]:
+    """(dq [T, H, D] q.dtype, dkv [S, D] kv.dtype) from the forward's out/lse and the gradients
+    (dout, dlse) at them; see :func:`~inductor_ext.ops.sparse_mla_reference.sparse_mla_bwd_reference`."""
+    with torch.no_grad():
+        return ref.sparse_mla_bwd_reference(q, kv, token_ids, out, lse, dout, dlse, scale, d_v)
+
+
+def _plain_fwd(q, kv, token_ids, scale, d_v, deterministic):
+    with torch.no_grad():
+        return ref.sparse_mla_reference(q, kv, token_ids, scale, d_v)
+
+
+def _plain_bwd(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, deterministic):
+    with torch.no_grad():
+        return ref.sparse_mla_bwd_reference(q, kv, token_ids, out, lse, dout, dlse, scale, d_v)
+
+
+@functools.cache
+def _triton_fwd():
+    from inductor_ext.kernels.sparse_mla import sparse_mla_fwd
+
+    def kernel(q, kv, token_ids, scale, d_v, deterministic):
+        return sparse_mla_fwd(q, kv, token_ids, scale, d_v)
+
+    return kernel
+
+
+@functools.cache
+def _triton_bwd():
+    from inductor_ext.kernels.sparse_mla import sparse_mla_bwd
+
+    def kernel(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, deterministic):
+        return sparse_mla_bwd(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, deterministic=deterministic)
+
+    return kernel
+
+
+backends.register_cuda_kernel(_sparse_mla_op, "glm53::sparse_mla", "triton", _plain_fwd, _triton_fwd,
+                              fallback=_FALLBACK)
+backends.register_cuda_kernel(_sparse_mla_bwd_op, "glm53::sparse_mla_bwd", "triton", _plain_bwd, _triton_bwd,
+                              fallback=_FALLBACK)
+
+
+def _setup_context(ctx, inputs, output):
+    q, kv, token_ids, scale, d_v, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, token_ids, out, lse)
+    ctx.scale, ctx.d_v, ctx.deterministic = scale, d_v, deterministic
+    ctx.set_materialize_grads(True)
+
+
+def _backward(ctx, dout, dlse):
+    q, kv, token_ids, out, lse = ctx.saved_tensors
+    dq, dkv = torch.ops.glm53.sparse_mla_bwd(q, kv, token_ids, out, lse, dout, dlse, ctx.scale, ctx.d_v,
+                                            ctx.deterministic)
+    return dq, dkv, None, None, None, None
+
+
+_sparse_mla_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, deterministic=True):
+    """DSA sparse attention in the absorbed MLA form, ``glm53::sparse_mla`` (forward + backward).
+
+    Every query row ``t`` attends, with all its heads, only to the latent rows listed in
+    ``token_ids[t]``; the latent row is the key (all ``D`` columns, shared by the heads) and its
+    first ``d_v`` columns the value::
+
+        s[t,h,j] = scale · q[t,h] · kv[ids[t,j]]
+        out[t,h] = Σ_j softmax_j(s[t,h,:]) · kv[ids[t,j], :d_v],   lse[t,h] = log Σ_j exp s[t,h,j]
+
+    Args:
+        q: ``[T, H, D]`` bf16 (fp16 and fp32 also accepted), the absorbed query; H >= 1.
+        kv: ``[S, D]`` in q's dtype, the latent (kv_a_layernorm output) shared by all heads.
+        token_ids: ``[T, W]`` int32 or int64, W >= 1: the key rows each query attends to, in any
+            order; ``-1`` (anywhere in a row) is padding. Ids must be -1 or in ``[0, S)`` (checked
+            in eager mode only: reading them synchronises with the host). An id listed twice
+            counts twice. A row of only ``-1`` gives ``out = 0`` and ``lse = -inf``.
+        scale: the score scale (GLM-5.3: ``qk_nope_head_dim ** -0.5``), a finite float.
+        d_v: value width, ``1 <= d_v <= D``; ``None`` means D.
+        return_lse: also return ``lse`` (differentiable).
+        deterministic: the backward's ``dkv`` is bitwise repeatable (CUDA: int64 fixed-point
+            atomics). ``False`` lets the CUDA kernel add FP32 tiles with FP32 atomics (faster,
+            order-dependent rounding). No effect on the forward or on the CPU.
+
+    Returns:
+        ``out [T, H, d_v]`` in q's dtype, and with ``return_lse`` the tuple ``(out, lse)``,
+        ``lse [T, H]`` FP32 natural log.
+
+    Precision: scores, softmax and accumulation in FP32, ``out`` rounded once. The CPU kernel
+    computes everything in FP32; the CUDA forward feeds the probabilities to the value MMA rounded
+    to the input dtype (one extra rounding per probability; measured ~1.1x the BF16 rounding floor
+    of out against FP64). Gradients ``dq``, ``dkv`` (in q's / kv's dtype) are accumulated in
+    FP32 (CUDA dkv: int64 fixed point, finer than FP32) and rounded once; ``token_ids`` get none.
+    Memory: nothing ``[T, S]`` is ever built; the CPU kernel works on chunks of query rows
+    (:data:`~inductor_ext.ops.sparse_mla_reference.CHUNK_BYTES`), the CUDA backward holds one
+    ``[S, D]`` int64 accumulator.
+    """
+    if isinstance(kv, torch.Tensor) and kv.dim() == 2 and d_v is None:
+        d_v = kv.shape[1]
+    ref.validate_sparse_mla_inputs(q, kv, token_ids, scale, d_v)
+    if eager() and not isinstance(token_ids, torch._subclasses.FakeTensor):
+        ref.check_sparse_mla_ids(token_ids, kv.shape[0])
+    out, lse = torch.ops.glm53.sparse_mla(q, kv, token_ids, float(scale), int(d_v), bool(deterministic))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,119 @@
+"""The KPool indexer (``inductor_ext.ops.kpool_indexer``) under context parallelism
+(``docs/DESIGN.md`` §4 "KPool indexer", §8).
+
+Pools restart at every document start and a pool may straddle a shard boundary, so the per-token
+indexer keys and compression gates are all-gathered into GLOBAL token order before pooling; every
+rank then builds all the pools of the batch (``kpool_compress`` over global keys) and scores only
+its LOCAL queries against them. The per-token layout metadata (visible pools, tail) is computed for
+the global batch and its local rows taken at ``cp.positions``, so the selected ids are global token
+ids and each local row equals the single-rank indexer's row of that token.
+
+Stages, on each rank (``kpool_indexer``'s stages with global keys and local queries)::
+
+    k, gate, w = kpool_project(x_local)                      # per token, local
+    q          = wq_b(q_resid_local)                         # local queries [T_local, H, 128]
+    k, gate    = gather_indexer_keys(k, gate, cp)            # ONE all-gather → global [T, 128] each
+    layout     = local_query_layout(cp, P)                   # global pools, local query rows
+    pool       = kpool_compress(k, gate, ape, pool_token)    # all S = T//P global pool slots
+    q, w       = kpool_quant_query(q, w)                     # fp8 only, local
+    ids        = kpool_select(kpool_logits(q, w, pool), local rows of the layout)
+
+Communication per call: one all-gather of ``[T_local, 256]`` BF16 (keys and gates side by side:
+``T_local·512`` bytes sent, W times that received). Forward only (the indexer is frozen, integer
+outputs), no host sync: traceable with ``fullgraph=True`` like the single-rank indexer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inductor_ext import workspace
+from inductor_ext.config import active_config
+from inductor_ext.ops import kpool as _kpool
+from inductor_ext.ops import kpool_reference as _ref
+from inductor_ext.parallel.context import CPContext
+
+__all__ = ["gather_indexer_keys", "local_query_layout", "kpool_indexer_cp"]
+
+
+def gather_indexer_keys(k: torch.Tensor, gate: torch.Tensor, cp: CPContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local indexer keys and compression gates ``[T_local, 128]`` → global ``[T, 128]`` each, BF16.
+
+    Both are rounded to BF16 first (the pools are built from BF16 keys and gates in every precision,
+    as :func:`~inductor_ext.ops.kpool_indexer` does, so rounding before the gather is the same
+    arithmetic) and gathered in one all-gather (:meth:`CPContext.unshard` of ``[T_local, 256]``).
+    """
+    both = torch.cat([k.to(torch.bfloat16), gate.to(torch.bfloat16)], -1)
+    k_glob, gate_glob = cp.unshard(both).split([k.shape[-1], gate.shape[-1]], -1)
+    return k_glob.contiguous(), gate_glob.contiguous()
+
+
+def local_query_layout(cp: CPContext, pool_size: int):
+    """:func:`~inductor_ext.ops.kpool_layout` of the global batch with the per-token rows of the
+    local queries: int64 ``(pool_token [S], q_lo, q_n, tail_start, tail_len)``, S = T // P global
+    pool slots, the four row tensors ``[T_local]`` (global slot / token numbering)."""
+    pool_token, *rows = _kpool.kpool_layout(cp.cu_seqlens, cp.num_tokens, pool_size)
+    return (pool_token, *(r.index_select(0, cp.positions) for r in rows))
+
+
+def kpool_indexer_cp(
+    x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape, cp: CPContext,
+    *, topk, pool_size=4, kpool=None, kpool_pooling=None, head_proj=None, mqa_layout=None, logits_budget_mb=None,
+    scale_fmt=_kpool.INDEXER_SCALE_FMT, tail="compact", eps=_kpool.INDEXER_EPS,
+):
+    """:func:`inductor_ext.ops.kpool_indexer` for the local tokens of a context-parallel batch.
+
+    Args:
+        x: LOCAL hidden states ``[T_local, hidden]``; q_resid: LOCAL ``[T_local, Qr]``.
+        wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape: the
+            indexer parameters, as :func:`~inductor_ext.ops.kpool_indexer`.
+        cp: the batch's :class:`CPContext` (replaces ``cu_seqlens``: the global offsets are
+            ``cp.cu_seqlens``).
+        topk, pool_size, kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb, scale_fmt,
+            tail, eps: as :func:`~inductor_ext.ops.kpool_indexer` (``None``: the active config);
+            ``kpool`` is ``"bf16"`` or ``"fp8"`` (``PrecisionConfig.kpool``).
+
+    Returns:
+        int32 ``[T_local, topk + P − 1]`` GLOBAL token ids of the local queries, equal to rows
+        ``cp.positions`` of the single-rank ``kpool_indexer`` on the global batch. The logits are
+        ``[T_local, T//P]`` per rank, chunked over local rows to fit ``logits_budget_mb``.
+
+    Collectives: one all-gather (:func:`gather_indexer_keys`). Runs under no_grad.
+    """
+    cfg = active_config()
+    P = pool_size
+    kpool = cfg.kpool if kpool is None else kpool
+    kpool_pooling = cfg.kpool_pooling if kpool_pooling is None else kpool_pooling
+    head_proj = cfg.head_proj if head_proj is None else head_proj
+    layout = cfg.mqa_layout if mqa_layout is None else mqa_layout
+    budget_mb = cfg.logits_budget_mb if logits_budget_mb is None else logits_budget_mb
+    if kpool not in _kpool.PRECISIONS:
+        raise ValueError(f"kpool_indexer_cp: kpool must be one of {_kpool.PRECISIONS}, got {kpool!r}")
+    if kpool == "fp8" and x.dtype != torch.bfloat16:
+        raise ValueError(f"kpool_indexer_cp: the fp8 indexer takes bf16 hidden states, got {x.dtype}")
+    if x.dim() != 2 or x.shape[0] != cp.local_tokens or q_resid.shape[0] != cp.local_tokens:
+        raise ValueError(f"kpool_indexer_cp: x and q_resid must hold the T_local={cp.local_tokens} local tokens, "
+                         f"got {tuple(x.shape)} and {tuple(q_resid.shape)}")
+    Tl, T = cp.local_tokens, cp.num_tokens
+    H = weights_proj.shape[0]
+    with torch.no_grad():
+        k, gate, w = _kpool.kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
+                                          eps=eps, head_proj=head_proj)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            q = torch.nn.functional.linear(q_resid, wq_b).view(Tl, H, _ref.HEAD_DIM)
+        k, gate = gather_indexer_keys(k, gate, cp)
+        pool_token, q_lo, q_n, tail_start, tail_len = local_query_layout(cp, P)
+        if kpool == "bf16":
+            mode = "bf16_reference" if kpool_pooling == "reference" else "bf16_fp32"
+            pool, pool_scale = _kpool.kpool_compress(k, gate, compress_ape, pool_token, mode=mode)
+            q = q.to(torch.bfloat16)
+        else:
+            pool, pool_scale = _kpool.kpool_compress(k, gate, compress_ape, pool_token, mode=f"fp8_{scale_fmt}")
+            q, w = _kpool.kpool_quant_query(q, w, scale_fmt=scale_fmt)
+        plan = workspace.LogitsPlan(Tl, T // P, H, layout, budget_mb * 2**20)
+        parts = []
+        for s, e in plan.chunks:
+            logits = _kpool.kpool_logits(q[s:e], w[s:e], pool, pool_scale, precision=kpool, layout=layout)
+            parts.append(_kpool.kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
+                                             topk=topk, pool_size=P, tail=tail))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)

@@ -1,0 +1,10 @@
+"""The accuracy / compile / timing report (``python -m inductor_ext report``) and the train/serve
+mismatch-KL ablation (``python -m inductor_ext mismatch``): :mod:`~inductor_ext.report.report`
+and :mod:`~inductor_ext.report.mismatch`."""
+
+from __future__ import annotations
+
+from inductor_ext.report.mismatch import MismatchSettings, default_arms, format_table, run_mismatch, write_json
+from inductor_ext.report.report import run_report
+
+__all__ = ["MismatchSettings", "default_arms", "format_table", "run_mismatch", "run_report", "write_json"]

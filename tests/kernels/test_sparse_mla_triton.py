@@ -1,0 +1,198 @@
+"""Triton kernels of ``glm53::sparse_mla`` (``inductor_ext.kernels.sparse_mla``) against the
+independent FP64 reference (``tests.support.sparse_mla``) and the CPU reference kernels.
+
+Without CUDA the kernels run on CPU tensors under Triton's interpreter, at small awkward sizes:
+``TRITON_INTERPRET=1 pytest tests/kernels/test_sparse_mla_triton.py`` (its own process; otherwise
+those tests skip and say so). With CUDA the ``cuda``-marked tests run the compiled kernels through
+the ops, at the production geometry too, and inside a CUDA graph.
+
+Contracts checked: out within 2x the BF16 rounding floor of the FP64 result (the CUDA forward
+rounds p to BF16 for the value MMA: ~1.1x measured; ``precise_p`` ~1.0x); lse within 1e-5; dq, dkv
+within 1e-2 of the FP64 VJP; dkv bitwise equal run to run (int64 fixed-point atomics), also for
+gradients scaled by 1e30 and 1e-30 (the fixed-point scale follows them); split and fused backward
+bitwise equal.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from inductor_ext.ops import sparse_mla_reference as ref
+from tests.support.fp64 import assert_rel_l2, rel_l2
+from tests.support.sparse_mla import Case, bf16_floor, fp64_vjp, make_inputs
+
+pytest.importorskip("triton")
+
+GRAD_TOL = 1e-2
+FLOOR_RATIO = 2.0
+LSE_TOL = 1e-5
+
+INTERP_CASES = [
+    Case("H4-D64-W37-pad-anywhere", (13, 11), heads=4, dim=64, d_v=64, width=37, pad_anywhere=True,
+         single_id_rows=(3,), empty_rows=(5,)),
+    Case("H16-D128-dv80", (20,), heads=16, dim=128, d_v=80, width=24, id_dtype=torch.int32),
+    Case("H1-D512", (6,), heads=1, dim=512, d_v=512, width=20),
+    Case("H70-D64-two-head-groups", (7,), heads=70, dim=64, d_v=48, width=9),
+]
+iids = [c.name for c in INTERP_CASES]
+
+
+@pytest.fixture(scope="module")
+def kt():
+    """The kernel package in interpreter mode (CPU tensors)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter tests: run `TRITON_INTERPRET=1 pytest tests/kernels/test_sparse_mla_triton.py` "
+                    "(own process)")
+    from tests.support.sparse_mla import apply_bf16_rounding_shim
+    from tests.support.triton_interpreter import apply_interpreter_shims
+
+    apply_interpreter_shims()
+    apply_bf16_rounding_shim()
+    return importlib.import_module("inductor_ext.kernels.sparse_mla")
+
+
+def _forward_checks(name, out, lse, out64, lse64, ratio=FLOOR_RATIO):
+    floor = bf16_floor(out64)
+    err = rel_l2(out, out64.to(torch.bfloat16).double())
+    assert err <= ratio * floor, f"{name} out: relative L2 {err:.3e} > {ratio} x BF16 floor {floor:.3e}"
+    finite = torch.isfinite(lse64)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite.cpu()), f"{name} lse: -inf rows differ"
+    if finite.any():
+        assert_rel_l2(f"{name} lse", lse[finite], lse64[finite], LSE_TOL)
+    return err / floor
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=iids)
+def test_forward_matches_fp64(kt, case):
+    inp = make_inputs(case)
+    out64, lse64, _, _ = fp64_vjp(inp["q"], inp["kv"], inp["token_ids"], inp["scale"], inp["d_v"],
+                                  inp["dout"], inp["dlse"])
+    out, lse = kt.sparse_mla_fwd(inp["q"], inp["kv"], inp["token_ids"], inp["scale"], inp["d_v"], block_n=16)
+    _forward_checks("fwd", out, lse, out64, lse64)
+    empty = (inp["token_ids"] < 0).all(1)
+    assert (out[empty] == 0).all()
+
+
+def test_forward_variants(kt):
+    case = INTERP_CASES[0]
+    inp = make_inputs(case, seed=1)
+    out64, lse64, _, _ = fp64_vjp(inp["q"], inp["kv"], inp["token_ids"], inp["scale"], inp["d_v"],
+                                  inp["dout"], inp["dlse"])
+    args = (inp["q"], inp["kv"], inp["token_ids"], inp["scale"], inp["d_v"])
+    ratio = _forward_checks("precise_p", *kt.sparse_mla_fwd(*args, block_n=16, precise_p=True), out64, lse64)
+    assert ratio <= 1.05, f"precise_p: {ratio:.2f} x the BF16 floor"
+    _forward_checks("vsplit2", *kt.sparse_mla_fwd(*args, block_n=32, vsplit=2, chunk=32), out64, lse64)
+    _forward_checks("no-prefetch-int64", *kt.sparse_mla_fwd(*args, block_n=16, prefetch=False, idx32=False),
+                    out64, lse64)
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=iids)
+def test_backward_matches_fp64_and_repeats(kt, case):
+    inp = make_inputs(case, seed=2)
+    args = (inp["q"], inp["kv"], inp["token_ids"])
+    out, lse = kt.sparse_mla_fwd(*args, inp["scale"], inp["d_v"], block_n=16)
+    _, _, dq64, dkv64 = fp64_vjp(*args, inp["scale"], inp["d_v"], inp["dout"], inp["dlse"])
+    small = dict(dq_config=dict(block_n=16), dkv_config=dict(block_n=16))
+    dq, dkv = kt.sparse_mla_bwd(*args, out, lse, inp["dout"], inp["dlse"], inp["scale"], inp["d_v"], **small)
+    assert dq.dtype == inp["q"].dtype and dkv.dtype == inp["kv"].dtype
+    assert_rel_l2("dq", dq, dq64, GRAD_TOL)
+    assert_rel_l2("dkv", dkv, dkv64, GRAD_TOL)
+    dq2, dkv2 = kt.sparse_mla_bwd(*args, out, lse, inp["dout"], inp["dlse"], inp["scale"], inp["d_v"], **small)
+    assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2), "backward not bitwise repeatable"
+    dq3, dkv3 = kt.sparse_mla_bwd(*args, out, lse, inp["dout"], inp["dlse"], inp["scale"], inp["d_v"],
+                                  fused=True, dq_config=dict(block_n=16))
+    assert torch.equal(dq, dq3) and torch.equal(dkv, dkv3), "fused backward differs from the split one"
+    _, dkv4 = kt.sparse_mla_bwd(*args, out, lse, inp["dout"], inp["dlse"], inp["scale"], inp["d_v"],
+                                deterministic=False, **small)
+    assert_rel_l2("dkv (fp32 atomics)", dkv4, dkv64, GRAD_TOL)
+
+
+@pytest.mark.parametrize("grad_scale", [1e30, 1e-30])
+def test_fixed_point_scale_follows_the_gradients(kt, grad_scale):
+    """dO scaled by 1e30 / 1e-30: the int64 accumulator neither overflows nor loses the gradient."""
+    case = INTERP_CASES[1]
+    inp = make_inputs(case, dtype=torch.float32, seed=3)
+    args = (inp["q"], inp["kv"], inp["token_ids"])
+    dout = inp["dout"] * grad_scale
+    dlse = torch.zeros_like(inp["dlse"])
+    out, lse = kt.sparse_mla_fwd(*args, inp["scale"], inp["d_v"], block_n=16)
+    _, _, dq64, dkv64 = fp64_vjp(*args, inp["scale"], inp["d_v"], dout, dlse)
+    dq, dkv = kt.sparse_mla_bwd(*args, out, lse, dout, dlse, inp["scale"], inp["d_v"],
+                                dq_config=dict(block_n=16), dkv_config=dict(block_n=16))
+    assert_rel_l2("dq", dq, dq64, 1e-5)
+    assert_rel_l2("dkv", dkv, dkv64, 1e-5)
+
+
+def test_unsupported_dim_raises(kt):
+    with pytest.raises(ValueError, match="D <= 1024"):
+        kt.forward.chunking(2048)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (compiled kernels through the ops)
+# ---------------------------------------------------------------------------------------------
+
+CUDA_CASES = [  # (heads, dim, d_v, width)
+    (16, 64, 64, 100), (32, 128, 96, 130), (64, 256, 256, 257), (64, 512, 512, 300), (128, 512, 448, 70),
+]
+
+
+def _cuda_inputs(H, D, dv, W, T=257, S=400, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(T, H, D, generator=gen) * 2).bfloat16()
+    kv = torch.randn(S, D, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(S, generator=gen)[:W] for _ in range(T)])
+    ids[torch.rand(T, W, generator=gen) < 0.2] = -1
+    ids[3] = -1
+    dout = torch.randn(T, H, dv, generator=gen).bfloat16()
+    dlse = torch.randn(T, H, generator=gen) * 0.1
+    return q, kv, ids, dout, dlse
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H,D,dv,W", CUDA_CASES, ids=[f"H{c[0]}-D{c[1]}-dv{c[2]}" for c in CUDA_CASES])
+def test_cuda_op_matches_fp64_and_is_deterministic(H, D, dv, W):
+    from inductor_ext.ops.sparse_mla import sparse_mla
+
+    q, kv, ids, dout, dlse = _cuda_inputs(H, D, dv, W)
+    scale = D ** -0.5
+    out64, lse64, dq64, dkv64 = fp64_vjp(q, kv, ids, scale, dv, dout, dlse)
+    qc, kvc = q.cuda().requires_grad_(True), kv.cuda().requires_grad_(True)
+    out, lse = sparse_mla(qc, kvc, ids.cuda(), scale=scale, d_v=dv, return_lse=True)
+    _forward_checks("cuda fwd", out.detach().cpu(), lse.detach().cpu(), out64, lse64)
+    grads = torch.autograd.grad((out, lse), (qc, kvc), (dout.cuda(), dlse.cuda()))
+    assert_rel_l2("cuda dq", grads[0].cpu(), dq64, GRAD_TOL)
+    assert_rel_l2("cuda dkv", grads[1].cpu(), dkv64, GRAD_TOL)
+    out2, lse2 = sparse_mla(qc, kvc, ids.cuda(), scale=scale, d_v=dv, return_lse=True)
+    grads2 = torch.autograd.grad((out2, lse2), (qc, kvc), (dout.cuda(), dlse.cuda()))
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2)), "not bitwise repeatable"
+    ro, rl = ref.sparse_mla_reference(q, kv, ids, scale, dv)
+    assert (out.detach().cpu().float() - ro.float()).abs().max() <= 2 ** -6 * ro.float().abs().max(), "vs CPU reference"
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_forward_backward():
+    q, kv, ids, dout, dlse = (x.cuda() for x in _cuda_inputs(64, 512, 512, 300, T=128))
+    scale = 512 ** -0.5
+
+    def step():
+        out, lse = torch.ops.glm53.sparse_mla(q, kv, ids, scale, 512, True)
+        return (out, lse, *torch.ops.glm53.sparse_mla_bwd(q, kv, ids, out, lse, dout, dlse, scale, 512, True))
+
+    import inductor_ext.ops.sparse_mla  # noqa: F401
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "lse", "dq", "dkv"), captured, eager):
+        assert torch.equal(a, b), f"{name}: graph replay differs from eager"

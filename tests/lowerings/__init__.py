@@ -1,0 +1,1 @@
+"""Tests of the Inductor decompositions (lowerings/): fusion, layouts, numerics."""

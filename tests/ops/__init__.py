@@ -1,0 +1,1 @@
+"""Tests of the op families (inductor_ext/ops): references, fakes, autograd, opcheck, compile."""
