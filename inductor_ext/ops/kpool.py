@@ -32,6 +32,7 @@ __all__ = [
     "kpool_logits",
     "kpool_select",
     "kpool_indexer",
+    "indexer_precision",
     "validate_cu_seqlens",
     "INDEXER_EPS",
     "INDEXER_SCALE_FMT",
@@ -336,6 +337,15 @@ def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, ta
     return torch.ops.glm53.kpool_select(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail)
 
 
+def indexer_precision(kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb) -> tuple:
+    """The indexer's precision arguments with each ``None`` taken from the active config (read while
+    tracing, so each is a constant of the graph), in the order given."""
+    cfg = active_config()
+    given = (kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
+    fields = (cfg.kpool, cfg.kpool_pooling, cfg.head_proj, cfg.mqa_layout, cfg.logits_budget_mb)
+    return tuple(f if g is None else g for g, f in zip(given, fields))
+
+
 def kpool_indexer(
     x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape,
     cu_seqlens=None, *, topk, pool_size=4, kpool=None, kpool_pooling=None, head_proj=None,
@@ -365,13 +375,9 @@ def kpool_indexer(
         Pools are stored in BF16 (or FP8) whatever the model dtype: an FP32 model's k, gate and q
         are rounded to BF16 before pooling and scoring.
     """
-    cfg = active_config()
     P = pool_size
-    kpool = cfg.kpool if kpool is None else kpool
-    kpool_pooling = cfg.kpool_pooling if kpool_pooling is None else kpool_pooling
-    head_proj = cfg.head_proj if head_proj is None else head_proj
-    layout = cfg.mqa_layout if mqa_layout is None else mqa_layout
-    budget_mb = cfg.logits_budget_mb if logits_budget_mb is None else logits_budget_mb
+    kpool, kpool_pooling, head_proj, layout, budget_mb = indexer_precision(
+        kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
     _choice("kpool", kpool, PRECISIONS)
     _choice("kpool_pooling", kpool_pooling, POOLINGS)
     _choice("mqa_layout", layout, workspace.LAYOUTS)

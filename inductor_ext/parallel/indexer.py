@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from inductor_ext import workspace
-from inductor_ext.config import active_config
 from inductor_ext.ops import kpool as _kpool
 from inductor_ext.ops import kpool_reference as _ref
 from inductor_ext.parallel.context import CPContext
@@ -80,13 +79,9 @@ def kpool_indexer_cp(
 
     Collectives: one all-gather (:func:`gather_indexer_keys`). Runs under no_grad.
     """
-    cfg = active_config()
     P = pool_size
-    kpool = cfg.kpool if kpool is None else kpool
-    kpool_pooling = cfg.kpool_pooling if kpool_pooling is None else kpool_pooling
-    head_proj = cfg.head_proj if head_proj is None else head_proj
-    layout = cfg.mqa_layout if mqa_layout is None else mqa_layout
-    budget_mb = cfg.logits_budget_mb if logits_budget_mb is None else logits_budget_mb
+    kpool, kpool_pooling, head_proj, layout, budget_mb = _kpool.indexer_precision(
+        kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
     if kpool not in _kpool.PRECISIONS:
         raise ValueError(f"kpool_indexer_cp: kpool must be one of {_kpool.PRECISIONS}, got {kpool!r}")
     if kpool == "fp8" and x.dtype != torch.bfloat16:

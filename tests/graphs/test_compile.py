@@ -38,10 +38,10 @@ def _fields_used(preset: str, kind: str) -> set[str]:
     for i in idx:
         if cfg.layer_types[i] == "linear_attention":
             used.add("kda")
-            continue
-        used.add("mla")
-        if cfg.indexer_types[i] == "full":
-            used |= {"kpool", "kpool_pooling", "head_proj", "mqa_layout"}
+        else:
+            used.add("mla")
+            if cfg.indexer_types[i] == "full":
+                used |= {"kpool", "kpool_pooling", "head_proj", "mqa_layout"}
         if cfg.mlp_layer_types[i] == "sparse":
             used.add("moe_act")
     return used

@@ -1,7 +1,7 @@
-"""The tiny GLM-5.3 model's KDA-only configuration under context parallelism against one rank, on 2
-gloo processes, and a KDA decoder layer compiled with ``fullgraph=True`` per rank (collectives in
-the graph, one frame, no recompile for a new batch of the same shapes). Slow (``-m slow``): FSDP2
-``fully_shard`` over compiled decoder layers trains two steps with one rank's losses.
+"""The tiny GLM-5.3 model under context parallelism against one rank, on 2 gloo processes; a KDA
+and a DSA decoder layer compiled with ``fullgraph=True`` per rank (collectives in the graph, one
+frame, no recompile for a new batch of the same shapes); FSDP2 ``fully_shard`` over compiled
+decoder layers trains two steps with one rank's losses (slow: about 90 s on 2 cores).
 
 Models: ``GLM53Config.tiny`` with both layers ``linear_attention``, and the whole tiny model (KDA,
 DSA with its own indexer, DSA sharing it: keys and gates all-gathered before pooling, the MLA
@@ -110,22 +110,23 @@ def model_worker(rank: int, world: int, config_name: str, full: bool = False) ->
     return out
 
 
-def compile_worker(rank: int, world: int) -> dict:
-    """A KDA decoder layer compiled per rank (aot_eager, fullgraph) with CP: frames, recompiles,
-    collectives in the graph, and equality with the eager CP layer."""
+def compile_worker(rank: int, world: int, kind: str = "kda") -> dict:
+    """A decoder layer of ``kind`` (KDA; DSA with its own indexer) compiled per rank (aot_eager,
+    fullgraph) with CP: frames, recompiles, collectives in the graph, and equality with the eager
+    CP layer."""
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    from graphs import DecoderLayer
+    from graphs import DecoderLayer, GLM53Config
     from graphs.modules import cast_model
     from inductor_ext import PrecisionConfig
     from inductor_ext.parallel import cp_context
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = kda_only_config()
+    cfg = kda_only_config() if kind == "kda" else GLM53Config.tiny()
     torch.manual_seed(0)
-    layer = cast_model(DecoderLayer(cfg, 0, PrecisionConfig.reference()), torch.bfloat16)
+    layer = cast_model(DecoderLayer(cfg, cfg.first_layer(kind), PrecisionConfig.reference()), torch.bfloat16)
     gen = torch.Generator().manual_seed(2)
     x_glob = torch.randn(T, cfg.hc_mult, cfg.hidden_size, generator=gen).to(torch.bfloat16)
 
@@ -158,7 +159,8 @@ for _c in CONFIGS:
 FULL_CONFIGS = ("reference", "serving_aligned")  # decompressed and absorbed MLA, BF16 and FP8 indexer
 for _c in FULL_CONFIGS:
     register(2, f"full-model-{_c}", model_worker, _c, True)
-register(2, "compile-kda-layer", compile_worker)
+register(2, "compile-kda-layer", compile_worker, "kda")
+register(2, "compile-dsa-layer", compile_worker, "dsa")
 
 
 @pytest.mark.parametrize("config_name,layout", CASES, ids=[f"{c}-{lay}" for c, lay in CASES])
@@ -188,11 +190,14 @@ def test_tiny_model_with_dsa_layers_cp_equals_one_rank(config_name, layout):
     assert not bad, bad
 
 
-def test_compiled_kda_decoder_layer_one_frame_per_rank():
-    for rank, res in enumerate(job_result(2, "compile-kda-layer")):
+@pytest.mark.parametrize("kind", ["kda", "dsa"])
+def test_compiled_decoder_layer_one_frame_per_rank(kind):
+    """KDA: the conv halo and the state fold; DSA: the indexer keys and the MLA latent, gathered in
+    the graph."""
+    for rank, res in enumerate(job_result(2, f"compile-{kind}-layer")):
         assert res["frames"] == 1, f"rank {rank}: {res['frames']} frames (a recompile or graph break)"
         assert res["graph_breaks"] == 0 and res["graphs"] == 1, res
-        assert res["all_gathers"] >= 2 and res["waits"] >= res["all_gathers"], res  # halo + KDA fold
+        assert res["all_gathers"] >= 2 and res["waits"] >= res["all_gathers"], res
         for n, r in res["results"].items():
             assert r["loss_bitwise"] and r["grad_bitwise"], (rank, n, r)
 
