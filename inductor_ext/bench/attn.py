@@ -63,7 +63,8 @@ def _row(name, pas, T, stats, peak, flop, **extra) -> dict:
             "tflops": flop / (p50 * 1e-6) / 1e12}
 
 
-def _sparse_rows(T, heads, dim, d_v, topk_ids, samples, gen, sparse_fwd, sparse_bwd, timing):
+def _sparse_rows(T, heads, dim, d_v, topk_ids, samples, gen):
+    sparse_fwd, sparse_bwd = torch.ops.glm53.sparse_mla, torch.ops.glm53.sparse_mla_bwd
     q = torch.randn(T, heads, dim, device="cuda", generator=gen).to(torch.bfloat16)
     kv = torch.randn(T, dim, device="cuda", generator=gen).to(torch.bfloat16)
     ids = causal_random_ids(T, topk_ids, generator=gen)
@@ -87,7 +88,7 @@ def _sparse_rows(T, heads, dim, d_v, topk_ids, samples, gen, sparse_fwd, sparse_
                  fl_f + fl_b, **meta)]
 
 
-def _dense_rows(T, heads, dim, samples, gen, timing):
+def _dense_rows(T, heads, dim, samples, gen):
     qd, kd, vd = (torch.randn(1, heads, T, dim, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
                   for _ in range(3))
     gd = torch.randn(qd.shape, device="cuda", generator=gen).to(torch.bfloat16)
@@ -114,7 +115,6 @@ def bench_attn(tokens=(8192, 32768, 65536), heads=64, dim=512, topk_ids=2051, *,
     either way when tqdm is installed)."""
     if not torch.cuda.is_available():
         raise ValueError("bench attn needs a CUDA device")
-    sparse_fwd, sparse_bwd = torch.ops.glm53.sparse_mla, torch.ops.glm53.sparse_mla_bwd
     d_v = dim if d_v is None else int(d_v)
     tokens = [int(t) for t in ((tokens,) if isinstance(tokens, int) else tokens)]
     total = sum(4 if T <= dense_max_tokens else 2 for T in tokens)
@@ -123,10 +123,10 @@ def bench_attn(tokens=(8192, 32768, 65536), heads=64, dim=512, topk_ids=2051, *,
     gen = torch.Generator(device="cuda").manual_seed(seed)
     with Progress(progress, total=total, desc="bench attn") as prog:
         for T in tokens:
-            batch = list(_sparse_rows(T, heads, dim, d_v, topk_ids, samples, gen, sparse_fwd, sparse_bwd, timing))
+            batch = list(_sparse_rows(T, heads, dim, d_v, topk_ids, samples, gen))
             torch.cuda.empty_cache()
             if T <= dense_max_tokens:
-                batch += _dense_rows(T, dense_heads, dense_dim, samples, gen, timing)
+                batch += _dense_rows(T, dense_heads, dense_dim, samples, gen)
                 torch.cuda.empty_cache()
             for row in batch:
                 row["device"] = dev
