@@ -8,12 +8,19 @@ last-position logits of ``ServingForward`` on the packed prefixes (``tests/graph
 
 Caches (:class:`DecodeCache`, updated in place; buffers grow by doubling):
 
-- KDA layer (serving core ``ops.kda_recurrent``): the FP32 recurrent state ``[n, H, K, V]`` and the
-  short-conv window, the last ``kernel - 1`` *pre-conv* q/k/v projection rows ``[n, kernel-1, 3HK]``
-  in the model dtype. A step runs the layer on ``n`` one-token documents: the conv of the new row
-  reads the window with the document-position mask of :meth:`LinearAttention.short_conv` (same
-  FP32 sum order), the recurrence starts from the cached state (``initial_state``), which the
+- KDA layer: the short-conv window, the last ``kernel - 1`` *pre-conv* q/k/v projection rows
+  ``[n, kernel-1, 3HK]`` in the model dtype; the conv of a step's new row reads the window with the
+  document-position mask of :meth:`LinearAttention.short_conv` (same FP32 sum order). Then, by
+  ``PrecisionConfig.batch_invariant``:
+  ``False`` (serving core ``ops.kda_recurrent``): the FP32 recurrent state ``[n, H, K, V]``; a step
+  runs the layer on ``n`` one-token documents from the cached state (``initial_state``), which the
   reference recurrence carries token by token exactly as in the full run.
+  ``True`` (chunk replay, :mod:`graphs.kda_replay`, ``docs/DESIGN.md`` §9): the FP32 state at the last
+  64-token chunk boundary of each sequence (chunks start at the document start) and the open
+  chunk's ``mix`` inputs (layer input and post-conv q/k/v rows, ``[n, 64, ·]`` model dtype); a step
+  runs ``mix`` with ``ops.kda_chunk`` at ``prec.kda`` on the open chunk from the boundary state and
+  keeps the last row, bitwise the chunk forward's row of that token; the step that completes a
+  chunk advances the boundary state. O(chunk) per step instead of O(1).
 - DSA layer (MLA in the absorbed form, what serving caches): the latent
   ``kv_a_layernorm(kv_a_proj_with_mqa(x))`` ``[n, t, kv_lora_rank]``, and for a layer with its own
   indexer the KPool indexer's per-token key and compression gate (``kpool_project``, model dtype)
@@ -40,8 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from graphs.kda_layer import LinearAttention, document_positions
+from graphs.kda_replay import replay_prefill, replay_step
+from graphs.modules import linear, stream_mean
 from graphs.serving import ServingForward
-from inductor_ext import ops
 from inductor_ext.ops.kpool import (
     INDEXER_EPS,
     INDEXER_SCALE_FMT,
@@ -170,23 +178,20 @@ class ServingDecoder:
         return x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
 
     def _head(self, streams):
-        return self.model.lm_head(self.model.norm(streams.mean(dim=1)))
+        prec = self.precision
+        return linear(self.model.lm_head, self.model.norm(stream_mean(streams, prec), prec), prec)
 
     def _layer(self, layer, streams, prev_ids, n, t, cu=None, cache=None):
         """DecoderLayer.forward (serving) on ``streams`` ``[rows, N, D]``: the packed prompts
         (``cu`` given, builds the cache) or one new token per sequence (``cache`` given)."""
         prec = self.precision
-        x, post, comb = layer.attn_hc(streams)
-        x = layer.input_layernorm(x)
+        x, post, comb = layer.attn_input(streams, prec)
         ids = None
         if layer.kind == "linear_attention":
             x, cache = self._kda(layer.self_attn, x, n, t, cu, cache)
         else:
             x, ids, cache = self._dsa(layer.self_attn, x, prev_ids, n, t, cu, cache)
-        streams = ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post)
-        x, post, comb = layer.ffn_hc(streams)
-        x = layer.mlp(layer.post_attention_layernorm(x), prec)
-        return ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post), ids, cache
+        return layer.ffn(layer.mhc_post(x, streams, post, comb, prec), prec), ids, cache
 
     # ------------------------------------------------------------------ KDA
 
@@ -194,7 +199,7 @@ class ServingDecoder:
         """LinearAttention.forward(serving=True); prefill (``cu``) or one step (``cache``)."""
         W = attn.kernel - 1
         rows = x.shape[0]
-        raw = attn.qkv_proj(x)  # [rows, C]
+        raw = attn.qkv_proj(x, self.precision)  # [rows, C]; batch-invariant linears under batch_invariant
         if cu is not None:
             qkv = attn.short_conv(raw, document_positions(cu, rows, x.device))
             window = raw.view(n, t, -1)[:, max(t - W, 0):]
@@ -210,8 +215,20 @@ class ServingDecoder:
             window = span[:, 1:]
             state0 = cache["state"]
             kda_cu = torch.arange(n + 1, dtype=torch.int64, device=x.device)  # n one-token documents
+        if self.precision.batch_invariant:
+            return self._kda_replay(attn, x, qkv, window, n, t, cu, cache)
         out, state = attn.mix(x, qkv, kda_cu, self.precision, serving=True, initial_state=state0)
         return out, {"state": state, "window": window}
+
+    def _kda_replay(self, attn, x, qkv, window, n, t, cu, cache):
+        """batch_invariant: the chunk form replayed (graphs.kda_replay); cache ``{"window", "state"
+        (FP32, at the last chunk boundary), "open_x", "open_qkv"}``."""
+        if cu is not None:
+            out, cache = replay_prefill(attn, x, qkv, n, t, self.precision)
+        else:
+            out, cache = replay_step(attn, x, qkv, t, cache, self.precision)
+        cache["window"] = window
+        return out, cache
 
     # ------------------------------------------------------------------ DSA
 
@@ -220,7 +237,7 @@ class ServingDecoder:
         prec = self.precision
         if cu is not None:
             out, ids = attn(x, cu, prev_ids, prec)
-            latent = attn.latent(x)
+            latent = attn.latent(x, prec)
             cache = {"latent": _Buffer(latent.view(n, t, -1))}
             if attn.indexer is not None:
                 ik, igate, _ = self._project(attn.indexer, x)
@@ -234,9 +251,8 @@ class ServingDecoder:
             return out, ids, cache
 
         T = x.shape[0]  # = n
-        q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-        q = attn.q_b_proj(q_resid).view(T, attn.num_heads, attn.nope)
-        cache["latent"].append(attn.latent(x))
+        q_resid, q = attn.query(x, prec)
+        cache["latent"].append(attn.latent(x, prec))
         if attn.indexer is not None:
             ids = self._index_step(attn.indexer, x, q_resid, n, t, cache)
         elif prev_ids is None:
@@ -244,8 +260,8 @@ class ServingDecoder:
         else:
             ids = prev_ids
         latent = cache["latent"].view()
-        out = attn.absorbed_attention(q, latent.reshape(n * t, latent.shape[-1]), ids)
-        return attn.o_proj(out.reshape(T, -1)), ids, cache
+        out = attn.absorbed_attention(q, latent.reshape(n * t, latent.shape[-1]), ids, prec)
+        return linear(attn.o_proj, out.reshape(T, -1), prec), ids, cache
 
     def _project(self, idx, x):
         return kpool_project(x, idx.wk.weight, idx.k_norm.weight, idx.k_norm.bias, idx.weights_proj.weight,

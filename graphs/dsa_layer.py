@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from graphs.config import GLM53Config
-from graphs.modules import RMSNorm
+from graphs.modules import RMSNorm, linear
 from graphs.sparse_attention import sparse_attention
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.parallel import CPContext, kpool_indexer_cp
@@ -87,9 +87,8 @@ class IndexedAttention(nn.Module):
         all-gathered into global order (its gradient returns by reduce-scatter); the decompressed
         form then maps the whole gathered latent through kv_b on every rank."""
         T = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(T, self.num_heads, self.nope)
-        latent = self.latent(x)
+        q_resid, q = self.query(x, prec)
+        latent = self.latent(x, prec)
         if cp is not None:
             latent = cp.unshard(latent)
         if self.indexer is not None:
@@ -99,27 +98,46 @@ class IndexedAttention(nn.Module):
         else:
             ids = prev_ids
         if prec.mla == "absorbed":
-            out = self.absorbed_attention(q, latent, ids)
+            out = self.absorbed_attention(q, latent, ids, prec)
         else:
             kv = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, -1)
             k, v = kv.split([self.nope, self.v_dim], dim=-1)
             out = sparse_attention(q, k, v, ids, scale=self.scale, impl=self.impl)
-        return self.o_proj(out.reshape(T, -1)), ids
+        return linear(self.o_proj, out.reshape(T, -1), prec), ids
 
-    def latent(self, x: torch.Tensor) -> torch.Tensor:
+    def query(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_resid ``[T, q_lora_rank]`` (the indexer's query input), q_nope ``[T, H, nope]``)."""
+        q_resid = self.q_a_layernorm(linear(self.q_a_proj, x, prec), prec)
+        return q_resid, linear(self.q_b_proj, q_resid, prec).view(x.shape[0], self.num_heads, self.nope)
+
+    def latent(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
         """The MLA latent ``kv_a_layernorm(kv_a_proj_with_mqa(x))`` ``[T, kv_lora_rank]``: what serving caches."""
-        return self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        return self.kv_a_layernorm(linear(self.kv_a_proj_with_mqa, x, prec), prec)
 
     def kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight as its key half ``[H, nope, R]`` and value half ``[H, v_dim, R]``."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, -1)
         return w[:, : self.nope], w[:, self.nope:]
 
-    def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, ids: torch.Tensor,
+                           prec: PrecisionConfig | None = None) -> torch.Tensor:
         """Absorbed MLA over the selected ids: q ``[T, H, nope]``, latent ``[S, R]`` (S keys; the
         ids index it) → ``[T, H, v_dim]``. The absorbed query and the latent output are rounded to
-        the model dtype (the serving engine's BF16 GEMM outputs)."""
+        the model dtype (the serving engine's BF16 GEMM outputs); with ``prec.batch_invariant`` both
+        per-head products run as ``ops.bi_grouped_linear`` with one group per head."""
         w_k, w_v = self.kv_b_halves()
+        if prec is not None and prec.batch_invariant:
+            q_abs = _per_head_linear(q, w_k.transpose(1, 2))
+            return _per_head_linear(ops.sparse_mla(q_abs, latent, ids, scale=self.scale), w_v)
         q_abs = torch.einsum("thn,hnr->thr", q, w_k)
         out = ops.sparse_mla(q_abs, latent, ids, scale=self.scale)
         return torch.einsum("thr,hvr->thv", out, w_v)
+
+
+def _per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``out[t, h] = x[t, h] · weight[h]ᵀ``: x ``[T, H, K]``, weight ``[H, N, K]`` → ``[T, H, N]``
+    through the batch-invariant grouped GEMM (the rows of head h form group h)."""
+    T, H, K = x.shape
+    offs = torch.arange(1, H + 1, device=x.device, dtype=torch.int32) * T
+    rows = x.transpose(0, 1).reshape(H * T, K)
+    return ops.bi_grouped_linear(rows, weight.contiguous(), offs).view(H, T, -1).transpose(0, 1)

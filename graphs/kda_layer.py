@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphs.config import GLM53Config
+from graphs.modules import linear
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.ops.packing import segment_of
 from inductor_ext.parallel.context import CPContext
@@ -48,8 +49,9 @@ class ForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.lower_bound, self.head_dim = config.linear_lower_bound, K
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(x.shape[0], -1, self.head_dim)
+    def forward(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
+        g = linear(self.f_b_proj, linear(self.f_a_proj, x, prec), prec).float() + self.dt_bias.float()
+        g = g.view(x.shape[0], -1, self.head_dim)
         rate = self.A_log.float().exp()[:, None]
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * g)
@@ -57,16 +59,21 @@ class ForgetGate(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """``weight · rmsnorm(x) · σ(gate)`` in FP32, rounded once to x's dtype."""
+    """``weight · rmsnorm(x) · σ(gate)`` in FP32, rounded once to x's dtype; with
+    ``prec.batch_invariant`` the mean square is ``ops.bi_row_sum`` / D (a fixed-order sum)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.variance_epsilon)
+        if prec is not None and prec.batch_invariant:
+            mean_square = ops.bi_row_sum(xf.square()).unsqueeze(-1) / xf.shape[-1]
+        else:
+            mean_square = xf.square().mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(mean_square + self.variance_epsilon)
         return (self.weight.float() * xf * torch.sigmoid(gate.float())).to(x.dtype)
 
 
@@ -112,24 +119,25 @@ class LinearAttention(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None, prec: PrecisionConfig,
                 serving: bool = False, cp: CPContext | None = None) -> torch.Tensor:
         """``serving``: the KDA core is ``kda_recurrent`` (FP32 state, forward only) instead of
-        ``kda_chunk`` at ``prec.kda``; every other step is the same. ``cp``: x is this rank's
+        ``kda_chunk`` at ``prec.kda`` (with ``prec.batch_invariant`` serving keeps ``kda_chunk``:
+        the serving decoder replays the chunk arithmetic); every other step is the same. ``cp``: x is this rank's
         ``[T_local, hidden]`` of a context-parallel batch (``cu_seqlens`` must be None: the
         context holds the global offsets); training path only (``serving`` raises
         NotImplementedError)."""
         if cp is None:
             pos = document_positions(cu_seqlens, x.shape[0], x.device)
-            return self.mix(x, self.short_conv(self.qkv_proj(x), pos), cu_seqlens, prec, serving)[0]
+            return self.mix(x, self.short_conv(self.qkv_proj(x, prec), pos), cu_seqlens, prec, serving)[0]
         if serving:
             raise NotImplementedError("LinearAttention: serving=True (kda_recurrent) has no context-parallel path")
         if cu_seqlens is not None:
             raise ValueError("LinearAttention: with cp, pass cu_seqlens to cp_context, not to the layer")
-        raw = self.qkv_proj(x)
+        raw = self.qkv_proj(x, prec)
         qkv = self.short_conv(raw, cp.doc_positions, halo_exchange(raw, cp, self.kernel - 1))
         return self.mix(x, qkv, None, prec, serving, cp=cp)[0]
 
-    def qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+    def qkv_proj(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
         """The q, k, v projections side by side, ``[T, 3·H·K]`` in x's dtype (the short conv's input)."""
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return torch.cat([linear(proj, x, prec) for proj in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
 
     def mix(self, x: torch.Tensor, qkv: torch.Tensor, cu_seqlens: torch.Tensor | None, prec: PrecisionConfig,
             serving: bool, initial_state: torch.Tensor | None = None,
@@ -143,17 +151,17 @@ class LinearAttention(nn.Module):
         document)."""
         T = x.shape[0]
         q, k, v = (t.reshape(1, T, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
-        g = self.forget_gate(x).unsqueeze(0)
-        beta = torch.sigmoid(self.b_proj(x)).unsqueeze(0)
+        g = self.forget_gate(x, prec).unsqueeze(0)
+        beta = torch.sigmoid(linear(self.b_proj, x, prec)).unsqueeze(0)
         if cp is not None:
             if serving or initial_state is not None:
                 raise NotImplementedError("LinearAttention.mix: cp supports the training path from zero states only")
             o, state = kda_chunk_cp(q, k, v, g, beta, cp, precision=prec.kda)
-        elif serving:
+        elif serving and not prec.batch_invariant:
             o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         else:
             o, state = ops.kda_chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                      precision=prec.kda)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(T, self.num_heads, self.head_dim)
-        o = self.o_norm(o[0], gate).reshape(T, -1)
-        return self.o_proj(o), state
+        gate = linear(self.g_b_proj, linear(self.g_a_proj, x, prec), prec).view(T, self.num_heads, self.head_dim)
+        o = self.o_norm(o[0], gate, prec).reshape(T, -1)
+        return linear(self.o_proj, o, prec), state

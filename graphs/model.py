@@ -24,7 +24,7 @@ from torch import nn
 from graphs.config import GLM53Config
 from graphs.dsa_layer import IndexedAttention
 from graphs.kda_layer import LinearAttention
-from graphs.modules import MLP, HyperConnection, MoE, RMSNorm, cast_model, resolve_precision
+from graphs.modules import MLP, HyperConnection, MoE, RMSNorm, cast_model, linear, resolve_precision, stream_mean
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.parallel.context import CPContext
 
@@ -88,17 +88,30 @@ class DecoderLayer(nn.Module):
                              f"got {tuple(streams.shape)}")
         check_tokens(streams.shape[0], cu_seqlens, streams.device)
         check_cp(streams.shape[0], cu_seqlens, cp)
-        x, post, comb = self.attn_hc(streams)
-        x = self.input_layernorm(x)
+        x, post, comb = self.attn_input(streams, prec)
         ids = None
         if self.kind == "linear_attention":
             x = self.self_attn(x, cu_seqlens, prec, serving, cp=cp)
         else:
             x, ids = self.self_attn(x, cu_seqlens, prev_ids, prec, cp=cp)
-        streams = ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post)
-        x, post, comb = self.ffn_hc(streams)
-        x = self.mlp(self.post_attention_layernorm(x), prec)
-        return ops.mhc_post(x, streams, post, comb, precision=prec.mhc_post), ids
+        return self.ffn(self.mhc_post(x, streams, post, comb, prec), prec), ids
+
+    def attn_input(self, streams, prec: PrecisionConfig):
+        """mHC-pre + RMSNorm of the attention half: (sublayer input ``[T, D]``, post, comb)."""
+        x, post, comb = self.attn_hc(streams, prec)
+        return self.input_layernorm(x, prec), post, comb
+
+    def ffn(self, streams, prec: PrecisionConfig):
+        """The FFN half: mHC-pre → RMSNorm → MLP / MoE → mHC-post, ``[T, N, D]`` → ``[T, N, D]``."""
+        x, post, comb = self.ffn_hc(streams, prec)
+        x = self.mlp(self.post_attention_layernorm(x, prec), prec)
+        return self.mhc_post(x, streams, post, comb, prec)
+
+    @staticmethod
+    def mhc_post(x, streams, post, comb, prec: PrecisionConfig):
+        """mHC-post of a sublayer output ``x`` (its batch-invariant form with ``prec.batch_invariant``)."""
+        post_op = ops.mhc_post_batch_invariant if prec.batch_invariant else ops.mhc_post
+        return post_op(x, streams, post, comb, precision=prec.mhc_post)
 
 
 class GLM53Model(nn.Module):
@@ -147,8 +160,9 @@ class GLM53Model(nn.Module):
                 (input_ids.dim() == 2 and input_ids.shape[0] != 1):
             raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got "
                              f"{input_ids.dtype} {tuple(input_ids.shape)}")
-        final, hidden = self.final_hidden(input_ids, cu_seqlens, resolve_precision(self.precision), cp=cp)
-        logits = self.lm_head(final).view(*input_ids.shape, -1)
+        prec = resolve_precision(self.precision)
+        final, hidden = self.final_hidden(input_ids, cu_seqlens, prec, cp=cp)
+        logits = linear(self.lm_head, final, prec).view(*input_ids.shape, -1)
         return (logits, hidden) if output_hidden_states else logits
 
     def final_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, precision: PrecisionConfig,
@@ -166,7 +180,7 @@ class GLM53Model(nn.Module):
         for layer in self.layers:
             streams, ids = layer(streams, cu_seqlens, ids, precision, serving, cp=cp)
             hidden.append(streams)
-        return self.norm(streams.mean(dim=1)), tuple(hidden)
+        return self.norm(stream_mean(streams, precision), precision), tuple(hidden)
 
     @classmethod
     def from_hf(cls, hf_model_or_state_dict, config=None, precision: PrecisionConfig | None = None) -> GLM53Model:

@@ -14,9 +14,10 @@ from torch import nn
 
 from graphs.config import GLM53Config
 from inductor_ext import PrecisionConfig, active_config, ops
+from inductor_ext.ops.ordered import ordered_sum
 
-__all__ = ["resolve_precision", "RMSNorm", "HyperConnection", "MLP", "TopkRouter", "Experts", "MoE",
-           "FP32_PARAMS", "cast_model"]
+__all__ = ["resolve_precision", "linear", "stream_mean", "RMSNorm", "HyperConnection", "MLP",
+           "TopkRouter", "Experts", "MoE", "FP32_PARAMS", "cast_model"]
 
 # parameters transformers keeps in FP32 whatever the model dtype (``_keep_in_fp32_modules_strict``)
 FP32_PARAMS = ("e_score_correction_bias", "gate.weight", "conv1d", "dt_bias", "A_log",
@@ -42,15 +43,35 @@ def cast_model(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     return module
 
 
+def linear(layer: nn.Linear, x: torch.Tensor, prec: PrecisionConfig | None) -> torch.Tensor:
+    """``layer(x)``; with ``prec.batch_invariant`` the batch-invariant ``ops.bi_linear`` (fixed K
+    order, each row independent of the others in the call) with the same weight and bias."""
+    if prec is not None and prec.batch_invariant:
+        return ops.bi_linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
+def stream_mean(streams: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
+    """Mean over the mHC streams ``[T, N, D]`` → ``[T, D]`` (the final norm's input); with
+    ``prec.batch_invariant`` an FP32 :func:`ordered_sum` divided by N, rounded once."""
+    if prec.batch_invariant:
+        return (ordered_sum(streams.float(), 1) / streams.shape[1]).to(streams.dtype)
+    return streams.mean(dim=1)
+
+
 class RMSNorm(nn.Module):
-    """``weight · (x / rms(x))``: normalized in FP32, rounded to x's dtype, then scaled (transformers)."""
+    """``weight · (x / rms(x))``: normalized in FP32, rounded to x's dtype, then scaled (transformers).
+    With ``prec.batch_invariant``: ``ops.bi_rms_norm`` (same formula with a fixed-order sum and an
+    IEEE divide for ``x · rsqrt``: at most 1 ulp of x's dtype apart)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
+        if prec is not None and prec.batch_invariant:
+            return ops.bi_rms_norm(x, self.weight, self.variance_epsilon)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * xf.to(x.dtype)
@@ -67,10 +88,12 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
 
-    def forward(self, streams: torch.Tensor):
-        """streams ``[T, N, D]`` → (sublayer input ``[T, D]``, post ``[T, N]``, comb ``[T, N, N]``)."""
-        return ops.mhc_pre(streams, self.fn, self.base, self.scale, norm_eps=self.norm_eps, hc_eps=self.hc_eps,
-                           sinkhorn_iters=self.iters)
+    def forward(self, streams: torch.Tensor, prec: PrecisionConfig | None = None):
+        """streams ``[T, N, D]`` → (sublayer input ``[T, D]``, post ``[T, N]``, comb ``[T, N, N]``);
+        with ``prec.batch_invariant`` through ``ops.mhc_pre_batch_invariant``."""
+        pre = ops.mhc_pre_batch_invariant if prec is not None and prec.batch_invariant else ops.mhc_pre
+        return pre(streams, self.fn, self.base, self.scale, norm_eps=self.norm_eps, hc_eps=self.hc_eps,
+                   sinkhorn_iters=self.iters)
 
 
 class MLP(nn.Module):
@@ -88,10 +111,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, prec: PrecisionConfig, scale_fmt: str | None = None) -> torch.Tensor:
         if scale_fmt is not None:
             x = ops.fp8_qdq(x, scale_fmt=scale_fmt)
-        act = ops.swiglu(self.gate_proj(x), self.up_proj(x), limit=self.limit, mode=prec.swiglu)
+        act = ops.swiglu(linear(self.gate_proj, x, prec), linear(self.up_proj, x, prec), limit=self.limit,
+                         mode=prec.swiglu)
         if scale_fmt is not None:
             act = ops.fp8_qdq(act, scale_fmt=scale_fmt)
-        return self.down_proj(act)
+        return linear(self.down_proj, act, prec)
 
 
 class TopkRouter(nn.Module):
@@ -104,24 +128,45 @@ class TopkRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, D]`` → (expert ids ``[T, top_k]`` int64, FP32 combine weights ``[T, top_k]``).
 
         transformers ``Glm5NextTextTopkRouter`` semantics: weights are the picked sigmoid scores,
-        normalized over the top-k when ``norm_topk_prob``, times ``routed_scaling_factor``."""
+        normalized over the top-k when ``norm_topk_prob``, times ``routed_scaling_factor``.
+        With ``prec.batch_invariant``: the FP32 scores through ``ops.bi_linear`` (x upcast in the
+        kernel), the group and expert picks by a stable descending sort (among equal scores the
+        lower id wins; ``torch.topk`` promises no order among ties) and the normalizing sum in
+        top-k order."""
         T, E = x.shape[0], self.weight.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        invariant = prec is not None and prec.batch_invariant
+        if invariant:
+            scores = ops.bi_linear(x, self.weight.float(), out_dtype=torch.float32).sigmoid()
+        else:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         # a group's score is the sum of its two best experts; only the top topk_group groups compete
         group_score = choice.view(T, self.n_group, -1).topk(2, dim=-1).values.sum(-1)
-        group_idx = group_score.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_idx = _top_ids(group_score, self.topk_group, invariant)
         keep = torch.zeros_like(group_score).scatter(1, group_idx, 1.0).bool()
         keep = keep[:, :, None].expand(T, self.n_group, E // self.n_group).reshape(T, E)
-        idx = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, dim=-1, sorted=False).indices
+        idx = _top_ids(choice.masked_fill(~keep, float("-inf")), self.top_k, invariant)
         w = scores.gather(1, idx)
         if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            w = w / ((ordered_sum(w, -1, keepdim=True) if invariant else w.sum(-1, keepdim=True)) + 1e-20)
         return idx, w * self.scaling
+
+
+def _top_ids(scores: torch.Tensor, k: int, deterministic: bool) -> torch.Tensor:
+    """Ids of the ``k`` largest scores per row (any order); ``deterministic``: the first ``k`` of a
+    stable descending sort (ties: lower id first)."""
+    if deterministic:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return scores.topk(k, dim=-1, sorted=False).indices
+
+
+def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``rows [M, K]`` sorted by group, ``weight [E, N, K]``, ``offs`` group end rows → ``[M, N]``."""
+    return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offs)
 
 
 class Experts(nn.Module):
@@ -162,7 +207,11 @@ class Experts(nn.Module):
         rows (order: the kernel's). The x gradient of each pair comes out of the grouped mm
         rounded to BF16, then the k pairs of a token are summed in FP32 and rounded once (the
         all-experts einsum summed all experts in one FP32 contraction: one BF16 rounding less,
-        ~0.3 % relative L2 apart; transformers' grouped_mm path adds the k rows in BF16)."""
+        ~0.3 % relative L2 apart; transformers' grouped_mm path adds the k rows in BF16).
+
+        With ``prec.batch_invariant`` both projections are ``ops.bi_grouped_linear`` (each pair's
+        row bitwise that of a batch-invariant linear with its expert's weight, whatever the group
+        sizes) and the k slots are added in top-k order (:func:`ordered_sum`)."""
         T, K = indices.shape
         E, D = self.gate_up_proj.shape[0], x.shape[-1]
         if scale_fmt is not None:
@@ -171,14 +220,16 @@ class Experts(nn.Module):
         bounds = torch.arange(1, E + 1, device=indices.device, dtype=sorted_ids.dtype)
         offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)  # end row of each expert's group
         xs = x[:, None, :].expand(T, K, D).reshape(T * K, D)[order]
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        grouped = ops.bi_grouped_linear if prec.batch_invariant else _grouped_mm
+        gate, up = grouped(xs, self.gate_up_proj, offs).chunk(2, dim=-1)
         act = ops.swiglu(gate, up, limit=self.limit, mode=prec.swiglu)
         if scale_fmt is not None:
             act = ops.fp8_qdq(act, scale_fmt=scale_fmt)
-        y = torch._grouped_mm(act, self.down_proj.transpose(-2, -1), offs=offs)
+        y = grouped(act, self.down_proj, offs)
         inverse = torch.empty_like(order).scatter(0, order, torch.arange(T * K, device=order.device))
         y = y[inverse].view(T, K, D)  # back to (token, top-k slot) order
-        return (y.float() * weights[:, :, None]).sum(1).to(x.dtype)
+        weighted = y.float() * weights[:, :, None]
+        return (ordered_sum(weighted, 1) if prec.batch_invariant else weighted.sum(1)).to(x.dtype)
 
 
 class MoE(nn.Module):
@@ -193,5 +244,5 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
         fmt = {"none": None, "fp8_ue8m0": "ue8m0", "fp8_fp32scale": "fp32"}[prec.moe_act]
-        routed = self.experts(x, *self.gate(x), prec, fmt)
+        routed = self.experts(x, *self.gate(x, prec), prec, fmt)
         return routed + self.shared_experts(x, prec, fmt)

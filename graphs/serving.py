@@ -5,7 +5,8 @@ no copy) with ``serving=True`` (KDA through the recurrence) and runs every preci
 the serving engine's semantics (``docs/DESIGN.md`` §4), not the training path's:
 
 - KDA through ``glm53::kda_recurrent`` (the token recurrence with FP32 state and FP32 math),
-  never ``kda_chunk``;
+  never ``kda_chunk`` — except with ``batch_invariant``, where serving runs the chunk arithmetic
+  (``kda_chunk`` at ``precision.kda``; the decoder replays it from chunk-boundary states);
 - the FP8 KPool indexer (``kpool="fp8"``, FP32 pooling, FP32 indexer head projection);
 - FP32 mHC post (one rounding), serving SwiGLU (FP32, one rounding), FP8 ue8m0 MoE activations.
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from graphs.model import GLM53Model
+from graphs.modules import linear
 from inductor_ext import PrecisionConfig
 
 __all__ = ["ServingForward", "SERVING_PRECISION"]
@@ -59,5 +61,5 @@ class ServingForward(nn.Module):
                 (input_ids.dim() == 2 and input_ids.shape[0] != 1):
             raise ValueError(f"ServingForward: input_ids must be int64 [T] or [1, T] (packed), got "
                              f"{input_ids.dtype} {tuple(input_ids.shape)}")
-        logits = self.model.lm_head(self.hidden(input_ids, cu_seqlens))
+        logits = linear(self.model.lm_head, self.hidden(input_ids, cu_seqlens), self.precision)
         return logits.view(*input_ids.shape, -1)

@@ -13,7 +13,8 @@ from inductor_ext import backends
 from inductor_ext.bench import BENCHES, format_benches, run_benches
 from inductor_ext.bench.layer import KINDS, PRECISIONS
 from inductor_ext.parallel import check as cp_check
-from inductor_ext.report import MismatchSettings, default_arms, format_table, run_mismatch, run_report, write_json
+from inductor_ext.report import MismatchSettings, default_arms, format_table, run_mismatch, run_report
+from inductor_ext.report.report import write_mismatch
 
 __all__ = ["main"]
 
@@ -101,6 +102,10 @@ def _run(argv) -> int:
     mis.add_argument("--preset", choices=("tiny", "h200_stack"), default="tiny",
                      help="model: tiny (CPU, default) or h200_stack (3 KDA + 1 DSA at h200 widths, 32 experts; CUDA)")
     mis.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    mis.add_argument("--batch-invariant", action="store_true",
+                     help="true on-policy: every arm's config and the serving precision with batch_invariant=True "
+                          "(and mla=absorbed, which it needs; the mla arm then equals reference and is left out), "
+                          "the vocabulary log-softmax through glm53::bi_log_softmax")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
@@ -117,11 +122,12 @@ def _run(argv) -> int:
                 raise ValueError(f"unknown arm(s) {bad}; choose from {list(arms)}")
             arms = {a: arms[a] for a in args.arms}
         settings = MismatchSettings(preset=args.preset, device=args.device, seed=args.seed, num_seqs=args.seqs,
-                                    prompt_len=args.prompt_len,
-                                    new_tokens=args.new_tokens, target_entropy=args.entropy, compile=args.compile)
+                                    prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                    target_entropy=args.entropy, compile=args.compile,
+                                    batch_invariant=args.batch_invariant)
         result = run_mismatch(settings, arms=arms, progress=progress)
         print(format_table(result))
-        print(f"wrote {write_json(result, args.out)}")
+        print("wrote " + ", ".join(str(p) for p in write_mismatch(result, args.out)))
         return 0
     if args.command == "report":
         run_report(args.out, _device(args.device, "use --device cpu"), bench_tokens=args.tokens, progress=progress)

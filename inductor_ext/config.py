@@ -87,6 +87,11 @@ class PrecisionConfig:
     - ``mla``: ``"decompressed"`` | ``"absorbed"`` — DSA attention form: per-head keys and values
       from ``kv_b_proj`` (transformers) or the serving form (the query absorbed into the latent,
       the latent shared by all heads as key and value, ``glm53::sparse_mla``).
+    - ``batch_invariant``: bool — every reduction whose order could depend on how many rows share
+      a call runs a batch-invariant kernel (``glm53::bi_*``: linears, norms, the vocabulary
+      log-softmax, the router, the MoE experts, the indexer's scorer), and the KDA serving decode
+      replays the chunk arithmetic (``docs/DESIGN.md`` §9). Needs ``mla="absorbed"``. ``False``
+      in both presets.
 
     Bad values raise ``ValueError`` naming the field and the allowed values.
     """
@@ -101,6 +106,7 @@ class PrecisionConfig:
     mqa_layout: str = "compact"
     logits_budget_mb: int = 256
     mla: str = "decompressed"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -110,6 +116,11 @@ class PrecisionConfig:
         budget = self.logits_budget_mb
         if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
             raise ValueError(f"PrecisionConfig.logits_budget_mb must be a positive int, got {budget!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"PrecisionConfig.batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.mla != "absorbed":
+            raise ValueError("PrecisionConfig.batch_invariant=True needs mla='absorbed' (the decompressed form's "
+                             f"[T, T] mask kernels have no batch-invariant variant), got mla={self.mla!r}")
 
     @classmethod
     def reference(cls) -> PrecisionConfig:

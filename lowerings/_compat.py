@@ -32,6 +32,7 @@ __all__ = [
     "inductor_config",
     "inductor_decomposition",
     "install_persistent_reductions",
+    "lowering_batch_invariant_graph",
     "register_inductor_decomposition",
     "register_rounding_lowering",
     "reset_cudagraph_trees",
@@ -101,6 +102,22 @@ def _static_numel(numel) -> int | None:
     return None
 
 
+def lowering_batch_invariant_graph() -> bool:
+    """Whether the graph Inductor is lowering calls a ``glm53::bi_*`` op: the graph of a module
+    traced under ``PrecisionConfig.batch_invariant`` (the config reaches the graph only as its ops,
+    so the FX graph, already part of Inductor's cache key, decides). Cached on the graph module."""
+    from torch._inductor.virtualized import V
+
+    gm = getattr(V.graph, "module", None) if V.graph is not None else None  # V.graph is a NullHandler outside
+    if not isinstance(gm, torch.fx.GraphModule):
+        return False
+    found = getattr(gm, "_glm53_batch_invariant", None)
+    if found is None:
+        found = any(node.op == "call_function" and str(node.target).startswith("glm53.bi_") for node in gm.graph.nodes)
+        gm._glm53_batch_invariant = found
+    return found
+
+
 def _persistent_choices(max_numel: int):
     """An ``InductorChoices`` subclass whose persistent-reduction test also accepts every reduction
     of a static length ``<= max_numel``, launched with a fixed configuration."""
@@ -140,9 +157,25 @@ def _persistent_choices(max_numel: int):
                 return kwargs
             return {**kwargs, "fixed_config": FixedTritonConfig({"XBLOCK": SMALL_REDUCTION_XBLOCK})}
 
+        @staticmethod
+        def reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction) -> int:
+            """Inductor's split (it grows as the number of output rows shrinks), except in a
+            batch-invariant graph: never split, so a row's reduction order is the same for every
+            row count (a decode step and a full forward)."""
+            if lowering_batch_invariant_graph():
+                return 1
+            return InductorChoices.reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction)
+
+        @staticmethod
+        def should_use_cooperative_reduction(device, numel, reduction_numel) -> bool:
+            """Inductor's choice (cooperative below 16 rows), never in a batch-invariant graph."""
+            if lowering_batch_invariant_graph():
+                return False
+            return InductorChoices.should_use_cooperative_reduction(device, numel, reduction_numel)
+
         def uuid(self) -> str:
             """Cache-key part (2.13 hashes ``config.inductor_choices_class`` through it)."""
-            return f"glm53-persistent-reductions-{max_numel}-xblock-{SMALL_REDUCTION_XBLOCK}"
+            return f"glm53-persistent-reductions-{max_numel}-xblock-{SMALL_REDUCTION_XBLOCK}-bi-nosplit"
 
     # a module attribute, so that pickling Inductor's config (save_config) finds the class
     PersistentSmallReductions.__qualname__ = PersistentSmallReductions.__name__

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import fake_impls
 import inductor_ext.ops.round_to  # noqa: F401  (defines glm53::round_to, the lowerings' rounding point)
-from inductor_ext.ops.batch_invariant import bi_layer_norm, bi_linear, bi_log_softmax, bi_rms_norm, bi_row_sum
+from inductor_ext.ops.batch_invariant import (
+    bi_grouped_linear,
+    bi_layer_norm,
+    bi_linear,
+    bi_log_softmax,
+    bi_rms_norm,
+    bi_row_sum,
+)
 from inductor_ext.ops.fp8_qdq import fp8_qdq
 from inductor_ext.ops.fp32_linear import fp32_linear
 from inductor_ext.ops.kda import kda_chunk, kda_recurrent
@@ -27,7 +34,7 @@ from inductor_ext.ops.kpool import (
     kpool_select,
 )
 from inductor_ext.ops.layer_norm_fp32 import layer_norm_fp32
-from inductor_ext.ops.mhc import mhc_post, mhc_pre
+from inductor_ext.ops.mhc import mhc_post, mhc_post_batch_invariant, mhc_pre, mhc_pre_batch_invariant
 from inductor_ext.ops.sparse_mla import sparse_mla
 from inductor_ext.ops.swiglu import swiglu
 
@@ -42,6 +49,8 @@ __all__ = [
     "fp8_qdq",
     "mhc_pre",
     "mhc_post",
+    "mhc_pre_batch_invariant",
+    "mhc_post_batch_invariant",
     "kpool_project",
     "kpool_layout",
     "kpool_compress",
@@ -51,6 +60,7 @@ __all__ = [
     "kpool_indexer",
     "sparse_mla",
     "bi_linear",
+    "bi_grouped_linear",
     "bi_rms_norm",
     "bi_layer_norm",
     "bi_log_softmax",

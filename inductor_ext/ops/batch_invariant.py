@@ -1,4 +1,5 @@
-"""Batch-invariant ops of "true on-policy": ``glm53::bi_linear``, ``glm53::bi_rms_norm``,
+"""Batch-invariant ops of "true on-policy": ``glm53::bi_linear``, ``glm53::bi_grouped_linear`` (the
+MoE experts; its weight gradient ``glm53::bi_grouped_linear_wgrad``), ``glm53::bi_rms_norm``,
 ``glm53::bi_layer_norm``, ``glm53::bi_log_softmax`` and ``glm53::bi_row_sum`` (the backward's
 fixed-order reduction).
 
@@ -16,6 +17,12 @@ deterministic and their row-wise parts (dx) batch-invariant too:
   bi_linear(dyᵀ, xᵀ)``: the reduction over the M rows runs in blocks of ``BLOCK_K`` rows in
   ascending row order (a fixed function of M and of the rows' order, never split), ``dbias =
   bi_row_sum(dyᵀ)`` (lanes over rows, ascending, then the tree).
+- ``bi_grouped_linear``: ``dx = bi_grouped_linear(dy, weightᵀ per group)`` (a strided view), so dx
+  rows are bi_linear's dx rows; ``dweight[e] = dy[group e]ᵀ · x[group e]`` by
+  ``bi_grouped_linear_wgrad``: the bi_linear reduction over the group's rows (blocks of ``BLOCK_K``
+  rows ascending from the group's first row; on CPU the reference per group, on CUDA the same
+  Triton kernel in its ragged-K mode: the same block order, the MMA's order inside a block, no
+  split, deterministic), exact zeros for a group without rows; ``offs`` has no gradient.
 - norms and log-softmax: the row statistics (``Σ g·x̂``, ``Σ dy``) through ``bi_row_sum`` over the
   last dim; ``dweight``/``dbias`` through ``bi_row_sum`` of the transposed ``[D, M]`` products.
   Elementwise steps are plain torch ops (per element, so invariant on any device).
@@ -30,9 +37,10 @@ import torch
 
 import inductor_ext.ops.round_to  # noqa: F401  (glm53::round_to: a rounding Inductor cannot fold)
 from inductor_ext import backends
+from inductor_ext.ops import _checks
 from inductor_ext.ops import batch_invariant_reference as ref
 
-__all__ = ["bi_linear", "bi_rms_norm", "bi_layer_norm", "bi_log_softmax", "bi_row_sum"]
+__all__ = ["bi_linear", "bi_grouped_linear", "bi_rms_norm", "bi_layer_norm", "bi_log_softmax", "bi_row_sum"]
 
 _T = torch.Tensor
 _DT = torch.dtype
@@ -49,6 +57,23 @@ def _bi_linear_op(x: _T, weight: _T, bias: _T | None, out_dtype: _DT) -> _T:
     """``x [..., K] · weight [N, K]ᵀ (+ bias)`` → ``[..., N]`` in ``out_dtype``; see :func:`bi_linear`."""
     with torch.no_grad():
         return ref.bi_linear_reference(x, weight, bias, out_dtype)
+
+
+@torch.library.custom_op("glm53::bi_grouped_linear", mutates_args=(), device_types="cpu")
+def _bi_grouped_linear_op(x: _T, weight: _T, offs: _T) -> _T:
+    """Rows of group e of ``x [M, K]`` times ``weight[e]ᵀ`` → ``[M, N]`` in x's dtype; see
+    :func:`bi_grouped_linear`. On CPU a loop over the groups (reads offs on the host: the op is
+    opaque to Dynamo)."""
+    with torch.no_grad():
+        return ref.bi_grouped_linear_reference(x, weight, offs)
+
+
+@torch.library.custom_op("glm53::bi_grouped_linear_wgrad", mutates_args=(), device_types="cpu")
+def _bi_grouped_linear_wgrad_op(dy: _T, x: _T, offs: _T, out_dtype: _DT) -> _T:
+    """``dweight[e] = dy[group e]ᵀ · x[group e]`` → ``[E, N, K]`` in ``out_dtype`` (zeros for empty
+    groups), the weight gradient of ``bi_grouped_linear``."""
+    with torch.no_grad():
+        return ref.bi_grouped_linear_wgrad_reference(dy, x, offs, out_dtype)
 
 
 @torch.library.custom_op("glm53::bi_rms_norm", mutates_args=(), device_types="cpu")
@@ -92,6 +117,16 @@ def _cuda_linear(x, weight, bias, out_dtype):
     return _kernels().bi_matmul(x, weight, bias, out_dtype, ref.BLOCK_K)
 
 
+def _cuda_grouped_linear(x, weight, offs):
+    starts, ends = ref.group_bounds(offs, x.shape[0])  # device-side, no host read
+    return _kernels().bi_grouped_matmul(x, weight, starts, ends, x.dtype, ref.BLOCK_K)
+
+
+def _cuda_grouped_linear_wgrad(dy, x, offs, out_dtype):
+    starts, ends = ref.group_bounds(offs, x.shape[0])
+    return _kernels().bi_grouped_matmul_wgrad(dy, x, starts, ends, out_dtype, ref.BLOCK_K)
+
+
 def _cuda_rms_norm(x, weight, eps):
     out_dtype = ref.rms_norm_output_dtype(x.dtype, weight.dtype)
     return _kernels().bi_rms_norm_rows(x, weight, eps, out_dtype, ref.ROW_BLOCK)
@@ -119,6 +154,9 @@ def _register_cuda(op, name: str, reference, triton_kernel) -> None:
 
 
 _register_cuda(_bi_linear_op, "bi_linear", ref.bi_linear_reference, _cuda_linear)
+_register_cuda(_bi_grouped_linear_op, "bi_grouped_linear", ref.bi_grouped_linear_reference, _cuda_grouped_linear)
+_register_cuda(_bi_grouped_linear_wgrad_op, "bi_grouped_linear_wgrad", ref.bi_grouped_linear_wgrad_reference,
+               _cuda_grouped_linear_wgrad)
 _register_cuda(_bi_rms_norm_op, "bi_rms_norm", ref.bi_rms_norm_reference, _cuda_rms_norm)
 _register_cuda(_bi_layer_norm_op, "bi_layer_norm", ref.bi_layer_norm_reference, _cuda_layer_norm)
 _register_cuda(_bi_log_softmax_op, "bi_log_softmax", ref.bi_log_softmax_reference, _cuda_log_softmax)
@@ -161,6 +199,21 @@ def _linear_backward(ctx, dy):
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
         db = _col_sum(dy2).to(ctx.bias_dtype)
     return dx, dw, db, None
+
+
+def _grouped_linear_setup(ctx, inputs, output):
+    x, weight, offs = inputs
+    ctx.save_for_backward(x, weight, offs)
+
+
+def _grouped_linear_backward(ctx, dy):
+    x, weight, offs = ctx.saved_tensors
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.glm53.bi_grouped_linear(dy.to(x.dtype), weight.transpose(1, 2), offs)
+    if ctx.needs_input_grad[1]:
+        dw = torch.ops.glm53.bi_grouped_linear_wgrad(dy, x, offs, weight.dtype)
+    return dx, dw, None
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -234,6 +287,7 @@ def _row_sum_backward(ctx, dy):
 
 
 _bi_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+_bi_grouped_linear_op.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
 _bi_rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 _bi_layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
 _bi_log_softmax_op.register_autograd(_log_softmax_backward, setup_context=_log_softmax_setup)
@@ -263,6 +317,38 @@ def bi_linear(x, weight, bias=None, *, out_dtype=None):
     out_dtype = x.dtype if out_dtype is None else out_dtype
     ref.validate_bi_linear_inputs(x, weight, bias, out_dtype)
     return torch.ops.glm53.bi_linear(x, weight, bias, out_dtype)
+
+
+def bi_grouped_linear(x, weight, offs):
+    """Batch-invariant grouped linear layer (the MoE experts), ``glm53::bi_grouped_linear``.
+
+    Args:
+        x: ``[M, K]`` bf16, fp16 or fp32, rows sorted by group.
+        weight: ``[E, N, K]`` bf16, fp16 or fp32 (a dtype other than x's computes in FP32), one
+            ``[N, K]`` weight per group (``Experts.gate_up_proj`` / ``down_proj``).
+        offs: int32 ``[E]``, ``offs[e]`` the END row of group e (``torch._grouped_mm``'s ``offs``):
+            group e is rows ``[offs[e-1], offs[e])`` (``offs[-1] := 0``); non-decreasing, at most M.
+
+    Returns:
+        ``[M, N]`` in x's dtype: row r of group e is ``x[r] · weight[e]ᵀ``, FP32 accumulation over
+        K blocks of ``BLOCK_K`` (64) in ascending order, one rounding; rows past ``offs[E-1]`` are 0.
+        Invariance contract: every row is BITWISE ``bi_linear(x[r:r+1], weight[e])`` (that row
+        alone), so it does not depend on how many rows each group has nor on the other groups (on
+        CPU against the CPU reference, on CUDA against the Triton ``bi_linear``). Differentiable in
+        x and weight (dx through the same op with ``weight[e]ᵀ``; dweight per group in a fixed order,
+        exact zeros for an empty group; see the module docstring); offs has no gradient.
+
+    ``ValueError`` on bad dims, dtypes, devices, offs dtype/length or K mismatch; in eager mode
+    (never while tracing or capturing) also on offsets that decrease or leave ``[0, M]`` (reads
+    offs: a host sync on CUDA). No host read inside the CUDA op: one graph, CUDA-graph capturable.
+    """
+    ref.validate_bi_grouped_linear_inputs(x, weight, offs)
+    if _checks.eager():
+        ends = offs.tolist()
+        if any(e < 0 or e > x.shape[0] for e in ends) or any(b < a for a, b in zip(ends, ends[1:])):
+            raise ValueError(f"bi_grouped_linear: offs must be non-decreasing end rows in [0, M={x.shape[0]}], "
+                             f"got {ends}")
+    return torch.ops.glm53.bi_grouped_linear(x, weight, offs)
 
 
 def bi_rms_norm(x, weight, eps: float = 1e-6):

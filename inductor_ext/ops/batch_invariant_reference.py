@@ -1,6 +1,6 @@
 """Leaf of the ``batch_invariant`` family: constants, input checks and the plain-torch reference
-kernels of ``glm53::bi_linear``, ``bi_rms_norm``, ``bi_layer_norm``, ``bi_log_softmax`` and
-``bi_row_sum`` (imports only torch).
+kernels of ``glm53::bi_linear``, ``bi_grouped_linear`` (+ its weight gradient), ``bi_rms_norm``,
+``bi_layer_norm``, ``bi_log_softmax`` and ``bi_row_sum`` (imports only torch).
 
 Batch invariance: every output row is a bitwise function of that row's inputs (and the weights)
 alone, whatever the number of rows M in the call, because every reduction runs in an order fixed
@@ -12,6 +12,10 @@ by the reduced length, never by M:
   the Triton kernel's ``acc = dot(a_k, b_k, acc)`` loop; inside a block the GPU's MMA has its own
   fixed order, so GPU and CPU agree within a tolerance, each invariant). No split-K, no block size
   chosen from M.
+- **Grouped linear** (MoE experts, ``x [M, K]`` rows sorted by group, ``weight [E, N, K]``):
+  every group's rows run the bi_linear reference against that group's weight, so each row is
+  bitwise the row computed alone by ``bi_linear``; the weight gradient of group e is the bi_linear
+  reduction over that group's rows (blocks of :data:`BLOCK_K` rows from the group's first row).
 - **Row reductions** (norm statistics, log-sum-exp, row sums): :data:`ROW_BLOCK` FP32 lanes; lane
   ``j`` accumulates elements ``j, j + ROW_BLOCK, j + 2·ROW_BLOCK, …`` in ascending order (padding
   adds the identity), then the halving tree folds the lanes. That is exactly the loop of the
@@ -39,11 +43,15 @@ __all__ = [
     "lane_max",
     "sqrt_rn",
     "validate_bi_linear_inputs",
+    "validate_bi_grouped_linear_inputs",
+    "group_bounds",
     "validate_bi_rms_norm_inputs",
     "validate_bi_layer_norm_inputs",
     "validate_bi_log_softmax_inputs",
     "validate_bi_row_sum_inputs",
     "bi_linear_reference",
+    "bi_grouped_linear_reference",
+    "bi_grouped_linear_wgrad_reference",
     "bi_rms_norm_reference",
     "bi_layer_norm_reference",
     "bi_log_softmax_reference",
@@ -163,6 +171,26 @@ def validate_bi_linear_inputs(x, weight, bias, out_dtype) -> None:
         raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
 
 
+def validate_bi_grouped_linear_inputs(x, weight, offs) -> None:
+    """``x [M, K]`` (M >= 0, K >= 1), ``weight [E >= 1, N >= 1, K]`` (float dtypes), ``offs`` int32
+    ``[E]``, all on one device. Static only: the offsets' values are checked by the wrapper in eager
+    mode (non-decreasing, within [0, M]). ``ValueError`` naming the rule."""
+    op = "bi_grouped_linear"
+    _floats(op, x=x, weight=weight)
+    if x.dim() != 2 or x.shape[1] < 1:
+        raise ValueError(f"{op}: x must be [M, K] with K >= 1, got {tuple(x.shape)}")
+    if weight.dim() != 3 or weight.shape[0] < 1 or weight.shape[1] < 1 or weight.shape[2] != x.shape[1]:
+        raise ValueError(f"{op}: weight must be [E >= 1, N >= 1, K={x.shape[1]}], got {tuple(weight.shape)}")
+    if not isinstance(offs, torch.Tensor):
+        raise ValueError(f"{op}: offs must be a tensor, got {type(offs).__name__}")
+    if offs.dtype != torch.int32:
+        raise ValueError(f"{op}: offs must be int32 (the end row of each group), got {offs.dtype}")
+    if tuple(offs.shape) != (weight.shape[0],):
+        raise ValueError(f"{op}: offs must be [E={weight.shape[0]}], got {tuple(offs.shape)}")
+    if offs.device != x.device:
+        raise ValueError(f"{op}: all tensors must be on one device, got {x.device} and offs on {offs.device}")
+
+
 def validate_bi_rms_norm_inputs(x, weight, eps) -> None:
     """``x [..., D]``, ``weight [D]`` (float dtypes, one device), ``eps > 0``."""
     op = "bi_rms_norm"
@@ -222,6 +250,45 @@ def bi_linear_reference(x, weight, bias, out_dtype):
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype).reshape(*x.shape[:-1], N)
+
+
+def group_bounds(offs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts, ends)`` int64 ``[E]`` of the groups of ``offs`` (``offs[e]`` the end row of group
+    e, ``torch._grouped_mm``'s convention) over ``rows`` rows: group e is rows ``[ends[e-1],
+    ends[e])`` (``ends[-1] := 0``). Torch ops on offs' device, no host read, so the CUDA kernels'
+    tile map uses it too; offsets are clamped to ``[0, rows]`` and made non-decreasing (a running
+    max), which leaves valid offsets unchanged and gives any other input one defined meaning on
+    every device."""
+    ends = torch.cummax(offs.to(torch.int64).clamp(0, rows), 0).values
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    return starts, ends
+
+
+def bi_grouped_linear_reference(x, weight, offs):
+    """``y[r] = x[r] · weight[e]ᵀ`` for the rows r of group e (:func:`group_bounds`), each group by
+    :func:`bi_linear_reference` in x's dtype, so every row is bitwise that row alone through
+    bi_linear; rows past the last offset are 0 → ``[M, N]`` contiguous. Reads offs on the host."""
+    M, N = x.shape[0], weight.shape[1]
+    y = x.new_zeros((M, N))
+    starts, ends = group_bounds(offs, M)
+    for e, (lo, hi) in enumerate(zip(starts.tolist(), ends.tolist())):
+        if hi > lo:
+            y[lo:hi] = bi_linear_reference(x[lo:hi], weight[e], None, x.dtype)
+    return y
+
+
+def bi_grouped_linear_wgrad_reference(dy, x, offs, out_dtype):
+    """The weight gradient of :func:`bi_grouped_linear_reference`: ``dweight[e] = dy[g]ᵀ · x[g]``
+    over the rows g of group e (:func:`bi_linear_reference` of ``dy[g]ᵀ`` and ``x[g]ᵀ``: the
+    reduction over the group's rows in blocks of :data:`BLOCK_K` rows, ascending from the group's
+    first row), exact zeros for a group without rows → ``[E, N, K]`` in ``out_dtype``."""
+    E, N, K = offs.shape[0], dy.shape[1], x.shape[1]
+    dw = dy.new_zeros((E, N, K), dtype=out_dtype)
+    starts, ends = group_bounds(offs, x.shape[0])
+    for e, (lo, hi) in enumerate(zip(starts.tolist(), ends.tolist())):
+        if hi > lo:
+            dw[e] = bi_linear_reference(dy[lo:hi].t(), x[lo:hi].t(), None, out_dtype)
+    return dw
 
 
 def rms_norm_output_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:

@@ -33,8 +33,11 @@ import torch.nn.functional as F
 
 from inductor_ext.config import MHC_POST_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
+from inductor_ext.ops.batch_invariant import bi_linear, bi_row_sum
+from inductor_ext.ops.ordered import ordered_softmax, ordered_sum
 
-__all__ = ["mhc_pre", "mhc_post", "PRECISIONS", "mhc_pre_reference", "mhc_post_reference", "validate_mhc_pre_inputs",
+__all__ = ["mhc_pre", "mhc_post", "mhc_pre_batch_invariant", "mhc_post_batch_invariant", "PRECISIONS",
+           "mhc_pre_reference", "mhc_post_reference", "validate_mhc_pre_inputs",
            "validate_mhc_post_inputs"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -89,23 +92,30 @@ def validate_mhc_post_inputs(f, residual, post, comb, precision) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _coefficients(x, fn, base, scale, norm_eps, hc_eps, iters):
-    """FP32 forward up to the coefficients; also returns what the backward needs."""
+def _coefficients(x, fn, base, scale, norm_eps, hc_eps, iters, invariant: bool = False):
+    """FP32 forward up to the coefficients; also returns what the backward needs. ``invariant``:
+    the batch-invariant reductions (see the module docstring)."""
     N = x.shape[-2]
     flat = x.reshape(*x.shape[:-2], -1).float()
-    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    if invariant:
+        mean_square = bi_row_sum(flat.square()).unsqueeze(-1) / flat.shape[-1]
+    else:
+        mean_square = flat.square().mean(-1, keepdim=True)
+    rstd = torch.rsqrt(mean_square + norm_eps)
     z = flat * rstd
-    pre_w, post_w, comb_w = F.linear(z, fn.float()).split([N, N, N * N], -1)
+    proj = bi_linear(z, fn, out_dtype=torch.float32) if invariant else F.linear(z, fn.float())
+    pre_w, post_w, comb_w = proj.split([N, N, N * N], -1)
     pre_b, post_b, comb_b = base.float().split([N, N, N * N])
     s = scale.float()
     comb_w = comb_w.unflatten(-1, (N, N))
     pre_sig = torch.sigmoid(pre_w * s[0] + pre_b)
     post_sig = torch.sigmoid(post_w * s[1] + post_b)
-    probs = torch.softmax(comb_w * s[2] + comb_b.view(N, N), dim=-1)
+    logits = comb_w * s[2] + comb_b.view(N, N)
+    probs = ordered_softmax(logits) if invariant else torch.softmax(logits, dim=-1)
     comb = probs + hc_eps
     steps = []  # (normalised result, denominator, dim) per Sinkhorn step
     for dim in [-2] + [-1, -2] * (iters - 1):
-        denom = comb.sum(dim=dim, keepdim=True) + hc_eps
+        denom = (ordered_sum(comb, dim, keepdim=True) if invariant else comb.sum(dim=dim, keepdim=True)) + hc_eps
         comb = comb / denom
         steps.append((comb, denom, dim))
     saved = (flat, rstd, z, pre_w, post_w, comb_w, pre_sig, post_sig, probs, steps)
@@ -118,6 +128,26 @@ def mhc_pre_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
         pre, post, comb, _ = _coefficients(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
         mixed = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
     return mixed.contiguous(), post.contiguous(), comb.contiguous()
+
+
+def _pre_batch_invariant(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    with torch.autocast(x.device.type, enabled=False):
+        pre, post, comb, _ = _coefficients(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, invariant=True)
+        mixed = ordered_sum(pre.unsqueeze(-1) * x, -2).to(x.dtype)
+    return mixed, post, comb
+
+
+def _post_batch_invariant(f, residual, post, comb, precision):
+    """:func:`mhc_post_reference`'s formula with the stream sum as an FP32 ordered chain (the
+    products of "bf16" taken from comb rounded to the residual's dtype, like the matmul's)."""
+    dtype = residual.dtype
+    with torch.autocast(residual.device.type, enabled=False):
+        c = comb.to(dtype).float() if precision == "bf16" else comb.float()
+        r = residual.float()
+        mixed = ordered_sum(c.unsqueeze(-1) * r.unsqueeze(-2), -3)  # Σ_s comb[s, o] · residual[s]
+        if precision == "bf16":
+            return post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2) + mixed.to(dtype)
+        return (post.float().unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(dtype)
 
 
 def _mhc_pre_backward(x, fn, base, scale, norm_eps, hc_eps, iters, dmixed, dpost, dcomb):
@@ -264,3 +294,21 @@ def mhc_post(f, residual, post, comb, *, precision=None):
     precision = active_config().mhc_post if precision is None else precision
     validate_mhc_post_inputs(f, residual, post, comb, precision)
     return torch.ops.glm53.mhc_post(f, residual, post, comb, precision)
+
+
+def mhc_pre_batch_invariant(x, fn, base, scale, *, norm_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20):
+    """:func:`mhc_pre` with batch-invariant reductions (``PrecisionConfig.batch_invariant``): same
+    arguments, outputs and formula; every row's result is bitwise independent of how many rows
+    share the call (see the module docstring). Within FP32 rounding of :func:`mhc_pre`;
+    differentiable by autograd."""
+    validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return _pre_batch_invariant(x, fn, base, scale, float(norm_eps), float(hc_eps), sinkhorn_iters)
+
+
+def mhc_post_batch_invariant(f, residual, post, comb, *, precision=None):
+    """:func:`mhc_post` with the sum over the N streams in a fixed order (an FP32 chain, rounded
+    once to the residual's dtype), for ``PrecisionConfig.batch_invariant``; same arguments and
+    outputs; differentiable by autograd."""
+    precision = active_config().mhc_post if precision is None else precision
+    validate_mhc_post_inputs(f, residual, post, comb, precision)
+    return _post_batch_invariant(f, residual, post, comb, precision)

@@ -1,11 +1,14 @@
 """``python -m inductor_ext report``: KDA accuracy against FP64, compile behaviour of the op and of
 each GLM-5.3 layer kind, the mismatch table (CPU) and, on CUDA, the CUDA-graph replay timing of each
-op and whole layer (``bench all``), as ``report.json``, ``report.md`` and ``report.png`` under ``--out``."""
+op and whole layer (``bench all``), as ``report.json``, ``report.md`` and ``report.png`` under ``--out``;
+and the files of ``python -m inductor_ext mismatch`` (:func:`write_mismatch`: ``mismatch.json``,
+``mismatch.md``, ``mismatch.png``)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import sys
 import time
 
 import torch
@@ -18,9 +21,9 @@ from inductor_ext import PrecisionConfig, ops
 from inductor_ext.bench import format_benches, run_benches
 from inductor_ext.bench.inputs import KDA_ARGS, decoder_layer, kda_inputs, layer_inputs
 from inductor_ext.ops.kda_reference import kda_recurrent_reference
-from inductor_ext.report.mismatch import format_table, run_mismatch
+from inductor_ext.report.mismatch import format_markdown, format_table, format_title, run_mismatch, write_json
 
-__all__ = ["kda_accuracy", "kda_compile", "layers_compile", "run_report"]
+__all__ = ["kda_accuracy", "kda_compile", "layers_compile", "run_report", "mismatch_chart", "write_mismatch"]
 
 
 def _rel(a, b) -> float:
@@ -185,6 +188,73 @@ def _chart(report: dict, path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+_PLOT_KEYS = (("k3", "k3"), ("mean_abs_logratio", "mean |r|"), ("median_abs_logratio", "median |r|"),
+              ("p99_abs_logratio", "p99 |r|"))
+
+
+def mismatch_chart(result: dict, path: pathlib.Path) -> None:
+    """The mismatch plot (``mismatch.png``) at ``path``: per arm a bar each of k3 and the mean,
+    median and p99 of |r| (log scale; a zero is no bar, an arm all 0 says so), the floor's value of
+    each as a dashed line of its colour; each arm's label carries its fraction of |r| > ln 2 and its
+    r != 0 count. Needs matplotlib (the ``report`` extra): ``ImportError`` without it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    names, arms, floor = list(result["arms"]), result["arms"], result.get("serving_reforward")
+    n = result["num_response_tokens"]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(names) + 2.5), 4.5))
+    width = 0.8 / len(_PLOT_KEYS)
+    positive = []
+    for j, (key, label) in enumerate(_PLOT_KEYS):
+        vals = [arms[a][key] for a in names]
+        xs = [i + (j - (len(_PLOT_KEYS) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(xs, [v if v > 0 else float("nan") for v in vals], width, label=label, color=f"C{j}")
+        positive += [v for v in vals if v > 0]
+        if floor is not None and floor[key] > 0:
+            ax.axhline(floor[key], color=f"C{j}", linestyle="--", linewidth=1)
+            positive.append(floor[key])
+    ax.set_yscale("log")
+    lo, hi = (min(positive) / 3, max(positive) * 3) if positive else (1e-12, 1.0)
+    ax.set_ylim(lo, hi)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    for i, a in enumerate(names):
+        if all(arms[a][key] == 0 for key, _ in _PLOT_KEYS):
+            ax.text(i, lo * 1.5, "all 0\n(exact)", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), [f"{a}\n>ln2 {arms[a]['frac_abs_logratio_gt_ln2']:.1%}\n"
+                                      f"r!=0 {arms[a]['num_nonzero_logratio']}/{n}" for a in names],
+                  fontsize=7, rotation=30, ha="right")
+    handles, labels = ax.get_legend_handles_labels()
+    if floor is not None:
+        zero = all(floor[k] == 0 for k, _ in _PLOT_KEYS)
+        handles.append(Line2D([], [], color="gray", linestyle="--"))
+        labels.append("floor (serving re-forward): all 0" if zero else "floor (serving re-forward)")
+    ax.legend(handles, labels, fontsize=7)
+    ax.set_ylabel("k3, |r| (nats)")
+    ax.set_title(format_title(result), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_mismatch(result: dict, out: pathlib.Path) -> list[pathlib.Path]:
+    """``mismatch.json``, ``mismatch.png`` (left out, with a note on stderr, without matplotlib) and
+    ``mismatch.md`` (:func:`~inductor_ext.report.mismatch.format_markdown`, showing the plot) under
+    ``out``; returns the paths written."""
+    out = pathlib.Path(out)
+    written = [write_json(result, out)]
+    try:
+        mismatch_chart(result, out / "mismatch.png")
+        written.append(out / "mismatch.png")
+    except ImportError:
+        print("note: no mismatch.png (matplotlib missing: pip install 'glm53-inductor[report]')", file=sys.stderr)
+    md = out / "mismatch.md"
+    md.write_text(format_markdown(result, "mismatch.png" if len(written) == 2 else None))
+    return [*written, md]
 
 
 def _write(report: dict, out: pathlib.Path) -> None:

@@ -71,13 +71,16 @@ def test_decode_logits_bitwise_equal_full_reforward(model, name):
 
 
 def test_decode_short_prompt_bitwise(model):
-    """A 2-token prompt: shorter than the conv window (3) and than one pool (4). Six sequences so
-    the full re-forward itself runs >= 12 rows (see graphs.decode._MIN_ROWS: MKL's FP32 GEMM
-    rounds differently below that, so the reference would depend on its own batch size)."""
-    serve = ServingForward(model)
+    """A 2-token prompt: shorter than the conv window (3) and than one pool (4), six sequences.
+    Bitwise under ``batch_invariant`` (KDA replayed through the chunk kernel): the plain path's
+    equality rests on MKL's FP32 GEMM rounding rows alike above ``graphs.decode._MIN_ROWS`` rows,
+    which held on AVX-512 machines but not on this AMX one (one logit 2^-7 apart at step 7), so
+    the plain path is held to a tolerance."""
     V = model.config.vocab_size
-    diffs = _decode_vs_full(serve, _tokens(V, 6, 2, seed=7), _tokens(V, 6, 9, seed=8))
-    assert diffs == [0.0] * 10, diffs
+    prompts, steps = _tokens(V, 6, 2, seed=7), _tokens(V, 6, 9, seed=8)
+    invariant = ServingForward(model, PrecisionConfig.serving_aligned().replace(batch_invariant=True))
+    assert _decode_vs_full(invariant, prompts, steps) == [0.0] * 10
+    assert max(_decode_vs_full(ServingForward(model), prompts, steps)) <= 2 ** -5
 
 
 def test_decode_shares_weights_and_checks_inputs(model):

@@ -12,7 +12,10 @@ Contracts checked under the interpreter: RMSNorm, LayerNorm and the row sum bitw
 reference (same lanes, same tree, IEEE sqrt/divide, no FMA in numpy); log-softmax within
 ``LSM_TOL`` (numpy's exp/log against torch's); the matmul bitwise with the ordered dot, within
 ``MM_TOL`` (FP32 output, relative L2) with numpy's own dot; every kernel batch-invariant; a planted
-launch whose K block is chosen from M rejected. With CUDA the ``cuda``-marked tests run the compiled
+launch whose K block is chosen from M rejected; the grouped matmul (``glm53::bi_grouped_linear``,
+its dx and dweight) bitwise equal to the reference with empty groups, groups straddling tiles and
+rows past the last offset, its rows those of single-row dense launches, and a planted tile map (one
+tile reading the neighbouring group's weight) rejected. With CUDA the ``cuda``-marked tests run the compiled
 kernels through the ``glm53::bi_*`` ops: bitwise invariance for M = 1..64 and inside a shuffled
 4096-row call, the reference within the GPU tolerances ``GPU_TOL``, and CUDA-graph capture.
 """
@@ -24,7 +27,13 @@ import pytest
 import torch
 
 from inductor_ext.ops import batch_invariant_reference as ref
-from tests.support.batch_invariant import assert_bitwise, check_batch_invariance, interpreter_numerics, rel_l2
+from tests.support.batch_invariant import (
+    assert_bitwise,
+    check_batch_invariance,
+    grouped_case,
+    interpreter_numerics,
+    rel_l2,
+)
 from tests.support.triton_interpreter import apply_interpreter_shims
 
 pytest.importorskip("triton")
@@ -196,6 +205,107 @@ def test_checker_rejects_a_planted_launch(kb, small_tiles):
     assert not fixed, fixed
 
 
+# grouped matmul (MoE experts): group sizes with empty groups, a group straddling tile boundaries,
+# rows past the last offset; 16-row tiles here (SMALL_TILES) or the default 128 / 64
+_GROUPED_COUNTS = (0, 19, 1, 0, 21, 3)  # ends 0, 19, 20, 20, 41, 44: group 4 spans rows 20..40
+_GROUPED_TAIL = 3
+
+
+def _nonzero_bits(t):
+    """Any element whose bits are not +0.0."""
+    return bool((t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32) != 0).any())
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _grouped_operands(xd, wd):
+    counts = _GROUPED_COUNTS
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = _randn(sum(counts) + _GROUPED_TAIL, 150, dtype=xd, seed=3)
+    w = _randn(len(counts), 40, 150, dtype=wd, scale=150**-0.5, seed=4)
+    return x, w, offs
+
+
+@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("xd,wd", [(BF16, BF16), (FP32, FP32), (BF16, FP32)], ids=["bf16", "fp32", "x-bf16-w-fp32"])
+def test_grouped_matmul_bitwise_with_ordered_dot(kb, request, xd, wd, tiles):
+    """Forward, dx (the weight transposed per group, a strided view) and dweight bitwise equal to the
+    reference, whose rows are bi_linear's rows alone (tests/ops)."""
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    x, w, offs = _grouped_operands(xd, wd)
+    dy = _randn(x.shape[0], 40, dtype=xd, seed=5)
+    starts, ends = ref.group_bounds(offs, x.shape[0])
+    with interpreter_numerics(ordered_dot=True):
+        y = kb.bi_grouped_matmul(x, w, starts, ends, xd, ref.BLOCK_K)
+        dx = kb.bi_grouped_matmul(dy, w.transpose(1, 2), starts, ends, xd, ref.BLOCK_K)
+        dw = kb.bi_grouped_matmul_wgrad(dy, x, starts, ends, wd, ref.BLOCK_K)
+    assert_bitwise("grouped y", y, ref.bi_grouped_linear_reference(x, w, offs))
+    assert_bitwise("grouped dx", dx, ref.bi_grouped_linear_reference(dy, w.transpose(1, 2), offs))
+    assert_bitwise("grouped dweight", dw, ref.bi_grouped_linear_wgrad_reference(dy, x, offs, wd))
+    assert not _nonzero_bits(y[-_GROUPED_TAIL:]) and not _nonzero_bits(dw[0]) and not _nonzero_bits(dw[3])
+
+
+def test_grouped_tile_map_covers_every_row_once(kb):
+    """Random offsets (many empty groups, equal offsets, a tail): the slots of each group cover its
+    rows exactly once in 16-row tiles, the used slots fit the static bound cdiv(M, 16) + E."""
+    mm = importlib.import_module("inductor_ext.kernels.batch_invariant.matmul")
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        E, M = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(0, 200, (1,), generator=g))
+        offs = torch.randint(0, M + 1, (E,), generator=g).sort().values.to(torch.int32)
+        starts, ends = ref.group_bounds(offs, M)
+        group, row0, end = mm.grouped_tile_map(starts, ends, M, 16).long()
+        assert group.numel() == _cdiv(M, 16) + E
+        owner = torch.full((M,), -1, dtype=torch.long)
+        for t in (group >= 0).nonzero().flatten().tolist():
+            rows = torch.arange(row0[t], min(row0[t] + 16, end[t]))
+            assert rows.numel() > 0 and (owner[rows] == -1).all(), f"trial {trial}: slot {t} overlaps or is empty"
+            owner[rows] = group[t]
+        want = torch.searchsorted(offs.long(), torch.arange(M), right=True)  # E for the rows past offs[-1]
+        assert torch.equal(owner, want), f"trial {trial}: offs {offs.tolist()}"
+
+
+def test_grouped_rows_equal_single_row_launches(kb, small_tiles):
+    """Rows of grouped launches of several group sizes equal the dense kernel on each row alone."""
+    probe_groups = (0, 2, 2, 3, 0, 2)
+    w, probes = _randn(4, 40, 150, dtype=BF16, scale=150**-0.5, seed=4), _randn(6, 150, dtype=BF16, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    with interpreter_numerics(ordered_dot=True):
+        alone = torch.cat([kb.bi_matmul(probes[i:i + 1], w[e], None, BF16, ref.BLOCK_K)
+                           for i, e in enumerate(probe_groups)])
+        for counts, tail in (((2, 0, 3, 1), 0), ((17, 0, 3, 15), 2), ((2, 5, 33, 1), 0)):
+            x, offs, where = grouped_case(probes, probe_groups, counts, generator=gen, tail=tail)
+            starts, ends = ref.group_bounds(offs, x.shape[0])
+            y = kb.bi_grouped_matmul(x, w, starts, ends, BF16, ref.BLOCK_K)
+            assert_bitwise(f"counts {counts}", y[where], alone)
+
+
+def test_checker_rejects_a_planted_tile_map(kb, small_tiles, monkeypatch):
+    """A tile map whose second tile of group 1 reads group 2's weight (rows 16..18 of a 19-row group):
+    the bitwise comparison with the reference must fail on exactly those rows."""
+    mm = importlib.import_module("inductor_ext.kernels.batch_invariant.matmul")
+    real = mm.grouped_tile_map
+
+    def planted(starts, ends, rows, block_m):
+        meta = real(starts, ends, rows, block_m).clone()
+        meta[0, 1] += 1  # slot 1: group 1's rows 16..18, the neighbouring group's weight
+        return meta
+
+    monkeypatch.setattr(mm, "grouped_tile_map", planted)
+    x, w, offs = _grouped_operands(BF16, BF16)
+    starts, ends = ref.group_bounds(offs, x.shape[0])
+    with interpreter_numerics(ordered_dot=True):
+        y = kb.bi_grouped_matmul(x, w, starts, ends, BF16, ref.BLOCK_K)
+    want = ref.bi_grouped_linear_reference(x, w, offs)
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_bitwise("planted", y, want)
+    bad_rows = (y != want).any(1).nonzero().flatten().tolist()
+    assert bad_rows == [16, 17, 18], bad_rows
+
+
 def test_bad_block_raises(kb):
     with pytest.raises(ValueError, match="power of two"):
         kb.bi_row_sum_rows(torch.randn(2, 3), 48)
@@ -270,3 +380,80 @@ def test_cuda_backward_and_graph_capture():
             captured = step()
         graph.replay()
     assert torch.equal(captured, eager.detach()), "the CUDA-graph replay differs from eager"
+
+
+_CUDA_PROBE_GROUPS = tuple(i % 7 for i in range(28))  # group 7 of 8 holds no probe
+# group sizes around the probes: tiny groups, empty groups, groups straddling 128-row tiles, a
+# 4096-row call with very uneven groups, rows past the last offset
+_CUDA_COUNTS = [((4,) * 7 + (0,), 0), ((4, 5, 4, 4, 300, 4, 129, 1), 0), ((4, 4, 4, 4, 4, 4, 4, 0), 9),
+                ((1000, 4, 0, 2500, 4, 257, 4, 327), 0)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_cuda_grouped_rows_equal_bi_linear_rowwise(dtype):
+    """Every row of grouped calls of many group sizes is bitwise the Triton bi_linear of that row
+    alone; dx and each group's dweight bitwise bi_linear's on the group alone; the reference within
+    GPU_TOL."""
+    bi = importlib.import_module("inductor_ext.ops.batch_invariant")
+    E, N, K = 8, 1024, 2048
+    w = _randn(E, N, K, dtype=dtype, scale=K**-0.5, seed=1).cuda()
+    probes = _randn(len(_CUDA_PROBE_GROUPS), K, dtype=dtype, seed=2)
+    alone = torch.cat([bi.bi_linear(probes[i:i + 1].cuda(), w[e]) for i, e in enumerate(_CUDA_PROBE_GROUPS)]).cpu()
+    gen = torch.Generator().manual_seed(0)
+    for counts, tail in _CUDA_COUNTS:
+        x, offs, where = grouped_case(probes, _CUDA_PROBE_GROUPS, counts, generator=gen, tail=tail)
+        y = bi.bi_grouped_linear(x.cuda(), w, offs.cuda()).cpu()
+        assert_bitwise(f"counts {counts}", y[where], alone)
+        assert not y[offs[-1]:].any(), "rows past the last offset must be 0"
+    counts, _ = _CUDA_COUNTS[1]
+    x, offs, _ = grouped_case(probes, _CUDA_PROBE_GROUPS, counts, generator=gen)
+    xc, wc = x.cuda().requires_grad_(True), w.clone().requires_grad_(True)
+    y = bi.bi_grouped_linear(xc, wc, offs.cuda())
+    dy = _randn(*y.shape, dtype=dtype, seed=3).cuda()
+    dx, dw = torch.autograd.grad(y, (xc, wc), dy)
+    ends = [0, *offs.tolist()]
+    for e, (lo, hi) in enumerate(zip(ends, ends[1:])):
+        if hi == lo:
+            assert not dw[e].any(), f"group {e} has no rows: its dweight must be 0"
+            continue
+        xe, we = xc[lo:hi].detach().requires_grad_(True), w[e].clone().requires_grad_(True)
+        dxe, dwe = torch.autograd.grad(bi.bi_linear(xe, we), (xe, we), dy[lo:hi])
+        assert_bitwise(f"group {e} dx", dx[lo:hi], dxe)
+        assert_bitwise(f"group {e} dweight", dw[e], dwe)
+    got, want = y.detach().cpu(), ref.bi_grouped_linear_reference(x, w.cpu(), offs)
+    if dtype == FP32:
+        assert rel_l2(got, want) <= GPU_TOL["fp32"]
+    else:
+        ulp = torch.finfo(BF16).eps * want.float().abs().clamp_min(torch.finfo(BF16).tiny)
+        far = ((got.float() - want.float()).abs() > GPU_TOL["ulps16"] * ulp).sum().item()
+        assert far <= GPU_TOL["far_fraction"] * got.numel(), f"{far} elements more than 2 ulp from the reference"
+
+
+@pytest.mark.cuda
+def test_cuda_grouped_backward_and_graph_capture():
+    """Deterministic backward; forward and backward captured in one CUDA graph with offs on the
+    device, replayed after the group sizes change in place: equal to eager with the new sizes."""
+    bi = importlib.import_module("inductor_ext.ops.batch_invariant")
+    E, N, K, M = 8, 256, 512, 600
+    x = _randn(M, K, dtype=BF16).cuda().requires_grad_(True)
+    w = _randn(E, N, K, dtype=BF16, scale=K**-0.5, seed=1).cuda().requires_grad_(True)
+    dy = _randn(M, N, dtype=BF16, seed=2).cuda()
+    offs = torch.tensor([0, 150, 150, 300, 301, 450, 599, 600], dtype=torch.int32).cuda()
+
+    def step():
+        y = bi.bi_grouped_linear(x, w, offs)
+        return (y, *torch.autograd.grad(y, (x, w), dy))
+
+    eager = step()
+    for name, a, e in zip(("y", "dx", "dweight"), step(), eager):
+        assert torch.equal(a, e), f"{name}: not deterministic"
+    step()  # warm up (Triton compiles outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    offs.copy_(torch.tensor([64, 64, 200, 333, 333, 500, 500, 590], dtype=torch.int32))
+    graph.replay()
+    want = step()
+    for name, a, e in zip(("y", "dx", "dweight"), captured, want):
+        assert torch.equal(a, e), f"{name}: the CUDA-graph replay with new group sizes differs from eager"

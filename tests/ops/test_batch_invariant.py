@@ -1,6 +1,8 @@
 """glm53::bi_* (batch_invariant family) on CPU: batch invariance, accuracy against FP64, gradients
 against the FP64 VJP, opcheck, bad input, one compiled graph, and a planted batch-variant linear
-that the invariance checker must reject.
+that the invariance checker must reject; for ``bi_grouped_linear`` (MoE experts) every row of a
+grouped call, whatever the group sizes (empty groups included), bitwise the row alone through
+``bi_linear``, and each group's dweight bitwise bi_linear's dweight of that group's rows alone.
 
 Invariance: rows 0..63 computed alone (one row per call) must equal, bitwise, the same rows of
 calls with M = 1..64 rows and of a shuffled 4096-row call (``tests/support/batch_invariant.py``).
@@ -17,6 +19,8 @@ from inductor_ext.ops import batch_invariant as bi
 from inductor_ext.ops import batch_invariant_reference as ref
 from tests.support.batch_invariant import (
     check_batch_invariance,
+    grouped_case,
+    grouped_linear_fp64,
     layer_norm_fp64,
     linear_fp64,
     log_softmax_fp64,
@@ -291,3 +295,142 @@ def test_sqrt_rn_is_ieee():
     a = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 100
     exact = torch.from_numpy(np.sqrt(a.numpy()))  # numpy's float32 sqrt: IEEE
     assert torch.equal(ref.sqrt_rn(a), exact)
+
+
+# ---------------------------------------------------------------------------------------------
+# bi_grouped_linear (MoE experts)
+# ---------------------------------------------------------------------------------------------
+
+E_GROUPS = 5
+PROBE_GROUPS = (0, 0, 1, 3, 3, 3, 4, 1, 0, 4, 3, 1)  # group 2 never holds a probe (often empty)
+# group sizes of the grouped calls around the probes (>= the probes of each group): empty groups,
+# one-row groups, a large call; the last case has 7 rows past the last offset (zeros)
+GROUP_COUNTS = [((3, 3, 0, 4, 2), 0), ((3, 3, 1, 4, 2), 0), ((9, 3, 0, 40, 2), 0), ((3, 70, 5, 4, 130), 0),
+                ((200, 3, 0, 300, 90), 7)]
+
+
+def _grouped_weights(dtype, seed=1):
+    return _randn(E_GROUPS, N, K, dtype=dtype, scale=K**-0.5, seed=seed)
+
+
+@pytest.mark.parametrize("xd,wd", [(BF16, BF16), (FP32, FP32), (BF16, FP32)], ids=["bf16", "fp32", "x-bf16-w-fp32"])
+def test_grouped_rows_equal_rows_alone(xd, wd):
+    """Every probe row inside grouped calls of many group sizes (empty groups, a row-less tail) is
+    bitwise bi_linear of that row alone against its group's weight; rows past the last offset are 0."""
+    w = _grouped_weights(wd)
+    probes = _randn(len(PROBE_GROUPS), K, dtype=xd, seed=7)
+    alone = torch.cat([bi.bi_linear(probes[i:i + 1], w[e]) for i, e in enumerate(PROBE_GROUPS)])
+    g = torch.Generator().manual_seed(0)
+    for counts, tail in GROUP_COUNTS:
+        x, offs, where = grouped_case(probes, PROBE_GROUPS, counts, generator=g, tail=tail)
+        y = bi.bi_grouped_linear(x, w, offs)
+        assert y.dtype == xd and y.shape == (x.shape[0], N)
+        bad = (y[where] != alone).any(1).nonzero().flatten().tolist()
+        assert not bad, f"counts {counts}: probe rows {bad} differ from the rows computed alone"
+        assert (y[offs[-1]:] == 0).all() and not torch.signbit(y[offs[-1]:]).any(), "rows past the last offset"
+
+
+def test_grouped_backward_equals_bi_linear_per_group():
+    """dx rows are bi_linear's dx rows; dweight[e] is bitwise bi_linear's dweight of group e's rows
+    alone (its fixed 64-row blocks from the group's first row); an empty group's dweight is an exact 0."""
+    w = _grouped_weights(BF16).requires_grad_(True)
+    counts = (70, 0, 1, 130, 9)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = _randn(sum(counts), K, dtype=BF16, seed=7).requires_grad_(True)
+    dy = _randn(sum(counts), N, dtype=BF16, seed=8)
+    dx, dw = torch.autograd.grad(bi.bi_grouped_linear(x, w, offs), (x, w), dy)
+    assert dx.dtype == BF16 and dw.dtype == BF16 and dw.shape == w.shape
+    ends = [0, *offs.tolist()]
+    for e, (lo, hi) in enumerate(zip(ends, ends[1:])):
+        if hi == lo:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e])) and not torch.signbit(dw[e]).any()
+            continue
+        xe, we = x[lo:hi].detach().requires_grad_(True), w[e].detach().requires_grad_(True)
+        dxe, dwe = torch.autograd.grad(bi.bi_linear(xe, we), (xe, we), dy[lo:hi])
+        assert torch.equal(dx[lo:hi], dxe), f"group {e}: dx differs from bi_linear's"
+        assert torch.equal(dw[e], dwe), f"group {e}: dweight differs from bi_linear's on the group alone"
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_grouped_forward_and_grads_match_fp64(dtype):
+    counts, tail = (40, 0, 23, 1, 61), 5
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = _randn(sum(counts) + tail, K, dtype=dtype, seed=7).requires_grad_(True)
+    w = _grouped_weights(dtype).requires_grad_(True)
+    y = bi.bi_grouped_linear(x, w, offs)
+    ref64 = grouped_linear_fp64(x.detach(), w.detach(), offs)
+    _assert_close_to_fp64("grouped_linear", y, ref64)
+    dy = _randn(*y.shape, dtype=dtype, seed=9)
+    grads = torch.autograd.grad(y, (x, w), dy)
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (x, w)]
+    grads64 = torch.autograd.grad(grouped_linear_fp64(*leaves64, offs), leaves64, dy.double())
+    for name, g, g64 in zip(("dx", "dweight"), grads, grads64):
+        assert g.dtype == dtype
+        err = rel_l2(g, g64)
+        tol = TOL_FP32 * 5 if dtype == FP32 else GRAD_FLOOR_FACTOR * rounding_floor(g64, dtype)
+        assert err <= tol, f"grouped {name} ({dtype}): relative L2 {err:.2e} > {tol:.2e}"
+    assert torch.equal(grads[1][1], torch.zeros_like(grads[1][1])), "the empty group's dweight must be 0"
+    assert torch.equal(grads[0][-tail:], torch.zeros_like(grads[0][-tail:])), "rows past the last offset: dx = 0"
+
+
+def test_grouped_opcheck():
+    offs = torch.tensor([3, 3, 9, 14], dtype=torch.int32)
+    x = _randn(16, 70, dtype=BF16).requires_grad_(True)
+    w = _randn(4, 9, 70, dtype=BF16, seed=1).requires_grad_(True)
+    torch.library.opcheck(torch.ops.glm53.bi_grouped_linear, (x, w, offs))
+    torch.library.opcheck(torch.ops.glm53.bi_grouped_linear, (x.detach().float(), w.detach(), offs))
+    torch.library.opcheck(torch.ops.glm53.bi_grouped_linear_wgrad, (_randn(16, 9, dtype=BF16), x.detach(), offs, FP32))
+
+
+def test_grouped_bad_inputs_raise():
+    x, w, offs = torch.randn(6, 8), torch.randn(3, 4, 8), torch.tensor([2, 2, 6], dtype=torch.int32)
+    cases = [
+        (lambda: bi.bi_grouped_linear(x[None], w, offs), "x must be \\[M, K\\]"),
+        (lambda: bi.bi_grouped_linear(torch.randn(6, 0), torch.randn(3, 4, 0), offs), "K >= 1"),
+        (lambda: bi.bi_grouped_linear(x, w[0], offs), "weight must be \\[E >= 1"),
+        (lambda: bi.bi_grouped_linear(x, torch.randn(3, 4, 9), offs), "K=8"),
+        (lambda: bi.bi_grouped_linear(x, torch.randn(0, 4, 8), offs[:0]), "E >= 1"),
+        (lambda: bi.bi_grouped_linear(x.long(), w, offs), "x must be bfloat16"),
+        (lambda: bi.bi_grouped_linear(x, w.double(), offs), "weight must be bfloat16"),
+        (lambda: bi.bi_grouped_linear(x, w, offs.long()), "offs must be int32"),
+        (lambda: bi.bi_grouped_linear(x, w, offs.tolist()), "offs must be a tensor"),
+        (lambda: bi.bi_grouped_linear(x, w, offs[:2]), "offs must be \\[E=3\\]"),
+        (lambda: bi.bi_grouped_linear(x, w, offs[None]), "offs must be \\[E=3\\]"),
+        (lambda: bi.bi_grouped_linear(x, w, offs.to("meta")), "one device"),
+        (lambda: bi.bi_grouped_linear(x, w, torch.tensor([2, 1, 6], dtype=torch.int32)), "non-decreasing"),
+        (lambda: bi.bi_grouped_linear(x, w, torch.tensor([2, 2, 7], dtype=torch.int32)), "non-decreasing"),
+        (lambda: bi.bi_grouped_linear(x, w, torch.tensor([-1, 2, 6], dtype=torch.int32)), "non-decreasing"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_grouped_compile_one_graph():
+    """The Experts routing (offs by searchsorted, in the graph) and both projections through
+    bi_grouped_linear: one graph under fullgraph, forward and gradients bitwise eager."""
+    torch._dynamo.reset()
+
+    def experts(x, indices, w1, w2):
+        sorted_ids, order = torch.sort(indices.reshape(-1), stable=True)
+        bounds = torch.arange(1, w1.shape[0] + 1, dtype=sorted_ids.dtype)
+        offs = torch.searchsorted(sorted_ids, bounds).to(torch.int32)
+        xs = x[:, None, :].expand(*indices.shape, x.shape[-1]).reshape(-1, x.shape[-1])[order]
+        h = bi.bi_grouped_linear(xs, w1, offs)
+        return bi.bi_grouped_linear(torch.relu(h), w2, offs).float().square().sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(experts, backend=counter, fullgraph=True)
+    indices = torch.tensor([[0, 3], [3, 1], [0, 3], [1, 0], [3, 0]])  # expert 2 unused: an empty group
+    leaves = [_randn(5, 64, dtype=BF16), _randn(4, 32, 64, dtype=BF16, seed=1), _randn(4, 64, 32, dtype=BF16, seed=2)]
+    leaves = [t.requires_grad_(True) for t in leaves]
+    got_loss = compiled(leaves[0], indices, *leaves[1:])
+    got = torch.autograd.grad(got_loss, leaves)
+    want_loss = experts(leaves[0], indices, *leaves[1:])
+    expected = torch.autograd.grad(want_loss, leaves)
+    assert torch.equal(got_loss, want_loss), "compiled forward differs from eager"
+    for name, a, e in zip(("dx", "dw1", "dw2"), got, expected):
+        assert torch.equal(a, e), f"{name} (compiled) differs from eager"
+    assert torch.equal(got[1][2], torch.zeros_like(got[1][2])), "unused expert: exact zero gradient"
+    assert counter.frame_count == 1, f"expected one graph, got {counter.frame_count}"
+    torch._dynamo.reset()

@@ -1,7 +1,10 @@
 """The tiny GLM-5.3 model under context parallelism against one rank, on 2 gloo processes; a KDA
 and a DSA decoder layer compiled with ``fullgraph=True`` per rank (collectives in the graph, one
 frame, no recompile for a new batch of the same shapes); FSDP2 ``fully_shard`` over compiled
-decoder layers trains two steps with one rank's losses (slow: about 90 s on 2 cores).
+decoder layers trains two steps with one rank's losses (slow: about 90 s on 2 cores). On 4 gloo
+processes: ``cp-check`` itself (``inductor_ext.parallel.check``) for ``reference()`` (zigzag) and
+``serving_aligned()`` (contiguous), every row within its stated bound, and the same runs with
+planted partial gradients, which must fail exactly the planted rows.
 
 Models: ``GLM53Config.tiny`` with both layers ``linear_attention``, and the whole tiny model (KDA,
 DSA with its own indexer, DSA sharing it: keys and gates all-gathered before pooling, the MLA
@@ -153,6 +156,27 @@ def compile_worker(rank: int, world: int, kind: str = "kda") -> dict:
             "all_gathers": graph.count("all_gather_into_tensor"), "waits": graph.count("wait_tensor")}
 
 
+def check_worker(rank: int, world: int, config_name: str, layout: str, plants: tuple = ()) -> dict:
+    """``cp-check`` itself (:func:`inductor_ext.parallel.check._compare`, T = 32·world): its rows,
+    and with ``plants`` a second row set from the same runs with those partial gradients planted."""
+    from inductor_ext.parallel.check import _compare
+
+    sets = ((),) + ((plants,) if plants else ())
+    row_sets, meta = _compare(world, torch.device("cpu"), layout, config_name, 32 * world, sets)
+    return {"rows": row_sets, "meta": meta}
+
+
+# planted defects for the self-test: rank 0's partial of the 3-number mHC gradient of issue 31 10%
+# off in both precisions (the FP32 row must reject it; in BF16 it is below the rounding noise of
+# that ill-conditioned sum, so the BF16 row passes), and rank 0's partial of the first DSA layer's
+# kv_b_proj gradient doubled in the BF16 run only (a double count: the BF16 row must reject it)
+PLANTS = (("layers.1.attn_hc.scale", 0, 1.1, "both"), ("layers.1.self_attn.kv_b_proj.weight", 0, 2.0, "bf16"))
+PLANT_REJECTS = {"grad fp32 layers.1.attn_hc.scale", "grad layers.1.self_attn.kv_b_proj.weight"}
+CHECK_CASES = (("reference", "zigzag"), ("serving_aligned", "contiguous"))
+for _c, _lay in CHECK_CASES:
+    register(4, f"cp-check-{_c}-{_lay}", check_worker, _c, _lay, PLANTS if _c == "reference" else ())
+
+
 CASES = [(c, lay) for c in CONFIGS for lay in LAYOUTS]
 for _c in CONFIGS:
     register(2, f"model-{_c}", model_worker, _c)
@@ -188,6 +212,28 @@ def test_tiny_model_with_dsa_layers_cp_equals_one_rank(config_name, layout):
     assert res["logits"][0] <= 2e-2, res["logits"]
     bad = {n: v for n, v in res["grads"].items() if not v[0] <= max(3e-2, 3 * v[2])}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("config_name,layout", CHECK_CASES, ids=[f"{c}-{lay}" for c, lay in CHECK_CASES])
+def test_cp_check_on_four_ranks(config_name, layout):
+    """``cp-check --ranks 4`` on the whole tiny model: every row within its tolerance (gradients
+    with the indexer selections pinned, BF16 within 3·√2·noise + fp32_gap, FP32 within 1e-4), the
+    model's own indexer flips no more rows than one rank's BF16 and FP32 runs differ in."""
+    res = job_result(4, f"cp-check-{config_name}-{layout}")[0]
+    rows = res["rows"][0]
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+    names = {r["name"] for r in rows}
+    assert "grad layers.1.attn_hc.scale" in names and "grad fp32 layers.1.attn_hc.scale" in names
+    assert any(r["name"].startswith("model indexer ids") for r in rows)
+
+
+def test_cp_check_rejects_planted_gradients():
+    """The check can fail: the planted partials (PLANTS) fail exactly their rows, nothing else."""
+    res = job_result(4, "cp-check-reference-zigzag")[0]
+    planted = res["rows"][1]
+    assert {r["name"] for r in planted if not r["ok"]} == PLANT_REJECTS, \
+        [(r["name"], r["rel_l2"], r["tolerance"]) for r in planted if not r["ok"] or r["name"] in PLANT_REJECTS]
 
 
 @pytest.mark.parametrize("kind", ["kda", "dsa"])

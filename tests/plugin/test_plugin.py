@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import inductor_ext
 from inductor_ext import plugin
@@ -66,6 +67,32 @@ def test_import_needs_only_torch():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_batch_invariant_graphs_never_split_a_reduction(monkeypatch):
+    """In a graph holding glm53::bi_* ops (PrecisionConfig.batch_invariant) Inductor's reductions are
+    neither split nor cooperative whatever the row count; other graphs keep Inductor's choices."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.virtualized import V
+
+    inductor_ext.enable()
+
+    invariant = torch.fx.symbolic_trace(lambda x, w: torch.ops.glm53.bi_linear(x, w, None, torch.float32).sum(-1))
+    plain = torch.fx.symbolic_trace(lambda x, w: torch.nn.functional.linear(x, w).sum(-1))
+    monkeypatch.setattr(InductorChoices, "reduction_split_factor", staticmethod(lambda *a: 7))
+    monkeypatch.setattr(InductorChoices, "should_use_cooperative_reduction", staticmethod(lambda *a: True))
+
+    class Lowering:  # what the choices read of a GraphLowering
+        def __init__(self, gm):
+            self.module = gm
+
+    dev = torch.device("cuda")
+    for gm, split, cooperative in ((invariant, 1, False), (plain, 7, True)):
+        with V.set_graph_handler(Lowering(gm)):
+            assert V.choices.reduction_split_factor(dev, 1 << 20, 1, True) == split
+            assert V.choices.reduction_split_factor(dev, 1 << 20, 1, False) == split
+            assert V.choices.should_use_cooperative_reduction(dev, 1, 1 << 20) is cooperative
+    assert V.choices.reduction_split_factor(dev, 1 << 20, 1, True) == 7  # outside any lowering
+
+
 def test_enable_keeps_one_qdq_group_reduction_persistent(monkeypatch):
     import sympy
     from torch._inductor.choices import InductorChoices
@@ -74,7 +101,7 @@ def test_enable_keeps_one_qdq_group_reduction_persistent(monkeypatch):
     from lowerings import _compat
 
     inductor_ext.enable()
-    assert type(V.choices).MAX_NUMEL == 128 and V.choices.uuid() == "glm53-persistent-reductions-128-xblock-8"
+    assert type(V.choices).MAX_NUMEL == 128 and V.choices.uuid() == "glm53-persistent-reductions-128-xblock-8-bi-nosplit"
     if hasattr(inductor_config, "inductor_choices_class"):
         assert inductor_config.inductor_choices_class is type(V.choices)
     # Inductor's own test says no (as for the DEFAULT hint above 64 elements): ours overrides it up to 128

@@ -18,6 +18,8 @@ __all__ = [
     "check_batch_invariance",
     "planted_linear",
     "linear_fp64",
+    "grouped_linear_fp64",
+    "grouped_case",
     "rms_norm_fp64",
     "layer_norm_fp64",
     "log_softmax_fp64",
@@ -105,6 +107,36 @@ def planted_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def linear_fp64(x, w, b=None):
     y = x.double() @ w.double().t()
     return y if b is None else y + b.double()
+
+
+def grouped_linear_fp64(x, w, offs):
+    """``torch._grouped_mm`` semantics in FP64: rows ``[offs[e-1], offs[e])`` times ``w[e]ᵀ``, rows
+    past ``offs[-1]`` zero (valid offsets only; differentiable in x and w)."""
+    ends = [0, *offs.tolist()]
+    parts = [x[lo:hi].double() @ w[e].double().t() for e, (lo, hi) in enumerate(zip(ends, ends[1:]))]
+    tail = x.new_zeros((x.shape[0] - ends[-1], w.shape[1]), dtype=torch.float64)
+    return torch.cat([*parts, tail])
+
+
+def grouped_case(probes, probe_groups, counts, *, generator, tail: int = 0):
+    """One grouped call around the probe rows ``probes [P, K]``: group e holds ``counts[e]`` rows (at
+    least its probes, the rest random filler), in a random order inside the group; ``tail`` filler
+    rows follow the last group. ``probe_groups[i]`` is probe i's group. Returns ``(x, offs, where)``:
+    the call's rows, int32 end offsets and ``where[i]``, the call row of probe i."""
+    order = []
+    for e, count in enumerate(counts):
+        mine = [i for i, g in enumerate(probe_groups) if g == e]
+        assert count >= len(mine), f"group {e}: {count} rows < {len(mine)} probes"
+        group = torch.tensor(mine + [-1] * (count - len(mine)), dtype=torch.long)
+        order.append(group[torch.randperm(count, generator=generator)])
+    order = torch.cat([*order, torch.full((tail,), -1, dtype=torch.long)])
+    filler = torch.randn((order.numel(), probes.shape[1]), generator=generator) * probes.float().std()
+    x = filler.to(probes.dtype)
+    x[order >= 0] = probes[order[order >= 0]]
+    offs = torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32)
+    where = torch.empty(len(probe_groups), dtype=torch.long)
+    where[order[order >= 0]] = (order >= 0).nonzero().flatten()
+    return x, offs, where
 
 
 def rms_norm_fp64(x, w, eps):

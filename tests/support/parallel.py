@@ -99,7 +99,8 @@ def _run_jobs(rank: int, world: int, jobs: tuple) -> dict:
 @functools.cache
 def _session(world: int) -> list[dict]:
     jobs = tuple((key, fn, args) for key, (fn, args) in _JOBS.get(world, {}).items())
-    return run_ranks(_run_jobs, world, jobs)
+    # one spawn runs every job of this world size: 480 s, and 120 s more per job past four
+    return run_ranks(_run_jobs, world, jobs, timeout=480.0 + 120.0 * max(0, len(jobs) - 4))
 
 
 def session_seconds(world: int) -> list[dict]:

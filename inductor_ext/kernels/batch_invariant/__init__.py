@@ -1,7 +1,9 @@
 """CUDA kernels of the ``batch_invariant`` family (``glm53::bi_*``), written in Triton (``triton>=3.6``):
 
 - :mod:`.matmul`: ``glm53::bi_linear``, one program per output tile over the full K (fixed K block,
-  no split-K, one fixed tile configuration per compute dtype, no autotuning);
+  no split-K, one fixed tile configuration per compute dtype, no autotuning), and in the same
+  kernel ``glm53::bi_grouped_linear`` (tiles of one group each, from a device-side tile map) and
+  its weight gradient;
 - :mod:`.norms`: ``glm53::bi_rms_norm``, ``bi_layer_norm``, ``bi_log_softmax`` and ``bi_row_sum``,
   one program per row with a fixed lane loop and an explicit halving tree.
 
@@ -11,7 +13,13 @@ the kernels capture into CUDA graphs. Imported lazily by :mod:`inductor_ext.ops.
 when the ``triton`` back-end is available; they also run on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
-from inductor_ext.kernels.batch_invariant.matmul import CONFIGS, bi_matmul
+from inductor_ext.kernels.batch_invariant.matmul import (
+    CONFIGS,
+    bi_grouped_matmul,
+    bi_grouped_matmul_wgrad,
+    bi_matmul,
+    grouped_tile_map,
+)
 from inductor_ext.kernels.batch_invariant.norms import (
     MAX_BLOCK,
     bi_layer_norm_rows,
@@ -20,5 +28,5 @@ from inductor_ext.kernels.batch_invariant.norms import (
     bi_row_sum_rows,
 )
 
-__all__ = ["CONFIGS", "MAX_BLOCK", "bi_matmul", "bi_rms_norm_rows", "bi_layer_norm_rows", "bi_log_softmax_rows",
-           "bi_row_sum_rows"]
+__all__ = ["CONFIGS", "MAX_BLOCK", "bi_matmul", "bi_grouped_matmul", "bi_grouped_matmul_wgrad", "grouped_tile_map",
+           "bi_rms_norm_rows", "bi_layer_norm_rows", "bi_log_softmax_rows", "bi_row_sum_rows"]

@@ -13,6 +13,15 @@ FP32 inputs use ``input_precision="ieee"`` (no TF32); mixed input dtypes are upc
 registers (exact). Strided inputs are read in place, so the backward's transposed operands
 (``dyᵀ``, ``xᵀ``) need no copies. Imports only torch and triton; the K block comes from the caller
 (``inductor_ext.ops.batch_invariant_reference.BLOCK_K``).
+
+The same kernel serves ``glm53::bi_grouped_linear`` (MoE experts; constexpr ``RAGGED``, no copied
+body): ``RAGGED = 1`` reads per-tile metadata (:func:`grouped_tile_map`: group, first row, end row
+of each tile slot) so a program computes a tile of rows of ONE group against that group's weight
+(``weight [E, N, K]``, group stride), with the dense tile configuration and K loop: a row's value
+is the one the dense kernel gives it alone, whatever the group sizes. ``RAGGED = 2`` is its weight
+gradient: program block e reduces over the rows of group e (the K loop from the group's first row
+to its end, ascending blocks) into ``dweight[e]``. The metadata are built with torch ops on the
+device (no host read), the grids from static shapes, so both capture into CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CONFIGS", "bi_matmul"]
+__all__ = ["CONFIGS", "bi_matmul", "bi_grouped_matmul", "bi_grouped_matmul_wgrad", "grouped_tile_map"]
 
 # compute dtype -> fixed launch configuration (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages).
 # Changing an entry changes tiling only; the K order is fixed by the caller's block_k.
@@ -32,33 +41,62 @@ CONFIGS = {
 }
 
 
-@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (no M == 1 / M % 16 variants)
+@triton.jit(do_not_specialize=["M", "TILES"])  # one compiled kernel for every M (no M == 1 / M % 16 variants)
 def _bi_matmul_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, y_ptr, meta_ptr, M, N, K, E, TILES,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ye, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RAGGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    # RAGGED = 0: dense. 1: grouped rows (bi_grouped_linear, its dx): tile slot t computes rows
+    # [meta[1, t], meta[2, t]) of group meta[0, t] against weight[group] (group E: the rows past the
+    # last offset, zeros; -1: an excess slot, returns). 2: grouped reduction (its dweight): program
+    # block g reduces K over rows [meta[0, g], meta[1, g]) into y[g]. The tile loop is the same.
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
+    if RAGGED == 1:
+        num_m = TILES
+    else:
+        num_m = tl.cdiv(M, BLOCK_M)
+    if RAGGED == 2:
+        group = pid // (num_m * num_n)
+        pid = pid % (num_m * num_n)
     in_group = GROUP_M * num_n
     first_m = (pid // in_group) * GROUP_M
     group_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % group_m
     pid_n = (pid % in_group) // group_m
 
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_end = M
+    k_lo = 0
+    k_end = K
+    if RAGGED == 1:
+        group = tl.load(meta_ptr + pid_m)
+        if group < 0:
+            return
+        row0 = tl.load(meta_ptr + TILES + pid_m).to(tl.int64)
+        m_end = tl.load(meta_ptr + 2 * TILES + pid_m)
+        k_end = tl.where(group == E, 0, K)  # group E, the rows past the last offset: no K loop, zeros
+        rm = row0 + tl.arange(0, BLOCK_M)
+        w_ptr += group.to(tl.int64) * stride_we
+    else:
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    if RAGGED == 2:
+        k_lo = tl.load(meta_ptr + group)
+        k_end = tl.load(meta_ptr + E + group)
+        y_ptr += group.to(tl.int64) * stride_ye
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
+    m_ok = rm < m_end
     n_ok = rn < N
     x_rows = x_ptr + rm[:, None] * stride_xm
     w_cols = w_ptr + rn[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # ascending K blocks, the whole K in this program
+    for k0 in range(k_lo, k_end, BLOCK_K):  # ascending K blocks, the whole K in this program
         kk = k0 + rk
-        k_ok = kk < K
+        if RAGGED == 2:  # K is the rows of dy and x here: 64-bit offsets
+            kk = kk.to(tl.int64)
+        k_ok = kk < k_end
         a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + kk[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
@@ -84,14 +122,78 @@ def bi_matmul(x, weight, bias, out_dtype, block_k: int):
     y = torch.empty((M, N), device=x.device, dtype=out_dtype)
     if M == 0:
         return y.reshape(*x.shape[:-1], N)
-    compute = x.dtype if x.dtype == weight.dtype else torch.float32
+    _launch(x2, weight, bias, y, None, M, N, K, 1, 0, 0, (0, *weight.stride()), (0, *y.stride()), block_k)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def _launch(x2, w, bias, y, meta, M, N, K, E, tiles, grid_m, w_strides, y_strides, block_k, ragged=0):
+    compute = x2.dtype if x2.dtype == w.dtype else torch.float32
     block_m, block_n, group_m, num_warps, num_stages = CONFIGS[compute]
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    if ragged == 0:
+        grid_m = triton.cdiv(M, block_m)
+    elif ragged == 2:
+        grid_m = E * triton.cdiv(M, block_m)
+    grid = (grid_m * triton.cdiv(N, block_n),)
     _bi_matmul_kernel[grid](
-        x2, weight, bias if bias is not None else y, y, M, N, K,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, UPCAST=x.dtype != weight.dtype, IEEE=compute == torch.float32,
+        x2, w, bias if bias is not None else y, y, meta if meta is not None else y, M, N, K, E, tiles,
+        x2.stride(0), x2.stride(1), *w_strides, *y_strides,
+        HAS_BIAS=bias is not None, UPCAST=x2.dtype != w.dtype, IEEE=compute == torch.float32, RAGGED=ragged,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return y.reshape(*x.shape[:-1], N)
+
+
+def grouped_tile_map(starts, ends, rows: int, block_m: int) -> torch.Tensor:
+    """Tile slots of the grouped launch: int32 ``[3, TILES]`` = (group, first row, end row) per slot,
+    ``TILES = cdiv(rows, block_m) + E`` (static). Groups are ``[starts[e], ends[e])`` (int64 ``[E]``,
+    non-decreasing, contiguous) plus a last pseudo-group ``E`` of the rows past ``ends[-1]`` (written
+    as zeros); group g takes ``cdiv(count_g, block_m)`` consecutive slots, and since
+    ``Σ_g cdiv(c_g, B) <= cdiv(Σ_g c_g, B) + (E + 1) - 1`` the E + 1 groups fit in TILES; excess slots
+    carry group -1. Torch ops on the device (cumsum, searchsorted): no host read, CUDA-graph capturable."""
+    E = starts.shape[0]
+    starts = torch.cat([starts, ends[-1:]])
+    ends = torch.cat([ends, ends.new_full((1,), rows)])
+    per_group = torch.div(ends - starts + (block_m - 1), block_m, rounding_mode="floor")
+    last = torch.cumsum(per_group, 0)  # one past each group's last slot
+    slot = torch.arange(triton.cdiv(rows, block_m) + E, device=starts.device, dtype=last.dtype)
+    group = torch.searchsorted(last, slot, right=True).clamp_(max=E)
+    first_slot = last[group] - per_group[group]
+    row0 = starts[group] + (slot - first_slot) * block_m
+    group = torch.where(slot < last[-1], group, -1)
+    return torch.stack([group, row0, ends[group.clamp(min=0)]]).to(torch.int32)
+
+
+def bi_grouped_matmul(x, weight, starts, ends, out_dtype, block_k: int):
+    """``y[r] = x[r] · weight[e]ᵀ`` for the rows r in ``[starts[e], ends[e])`` (int64 ``[E]`` from
+    ``batch_invariant_reference.group_bounds``), zeros past ``ends[-1]``: ``x [M, K]``, ``weight
+    [E, N, K]`` (any strides: the backward passes ``weightᵀ`` per group as a view) → contiguous
+    ``[M, N]`` in ``out_dtype``. Each program computes one ``[BLOCK_M, BLOCK_N]`` tile of ONE group
+    with the dense kernel's tile configuration and K loop, so a row's value is the one
+    :func:`bi_matmul` gives it alone (on the GPU; under the interpreter with the ordered dot)."""
+    M, K = x.shape
+    E, N = weight.shape[0], weight.shape[1]
+    y = torch.empty((M, N), device=x.device, dtype=out_dtype)
+    if M == 0:
+        return y
+    compute = x.dtype if x.dtype == weight.dtype else torch.float32
+    meta = grouped_tile_map(starts, ends, M, CONFIGS[compute][0])
+    tiles = meta.shape[1]
+    _launch(x, weight, None, y, meta, M, N, K, E, tiles, tiles, weight.stride(), (0, *y.stride()), block_k, ragged=1)
+    return y
+
+
+def bi_grouped_matmul_wgrad(dy, x, starts, ends, out_dtype, block_k: int):
+    """``dweight[e] = dy[g]ᵀ · x[g]`` over the rows g in ``[starts[e], ends[e])``: ``dy [M, N]``,
+    ``x [M, K]`` → contiguous ``[E, N, K]`` in ``out_dtype``, FP32 accumulation. The dense tile loop
+    with the reduction over the group's rows in blocks of ``block_k`` rows, ascending from the
+    group's first row (the order of ``bi_matmul(dy[g]ᵀ, x[g]ᵀ)``, no split); a group without rows
+    stores exact zeros. Grid: E · tiles of ``[N, K]``, static."""
+    M, N = dy.shape
+    K, E = x.shape[1], starts.shape[0]
+    dw = torch.empty((E, N, K), device=dy.device, dtype=out_dtype)
+    meta = torch.stack([starts, ends]).to(torch.int32)
+    # the dense kernel on dyᵀ [N, M] and xᵀ as the weight [K, M]: output rows N, columns K, reduction M
+    dyt = dy.t()
+    # (the K argument is unused there, the bounds come from meta: 0 keeps one compiled variant for every M)
+    _launch(dyt, x.t(), None, dw, meta, N, K, 0, E, 0, 0, (0, *x.t().stride()), dw.stride(), block_k, ragged=2)
+    return dw
