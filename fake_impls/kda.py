@@ -24,7 +24,7 @@ def _final_state(q, v, cu_seqlens):
 
 def kda_chunk_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     """Outputs of ``glm53::kda_chunk`` as empty tensors: shapes, dtypes, strides, no data."""
-    store = torch.float32 if precision == "fp32" else torch.bfloat16
+    store = torch.bfloat16 if precision == "bf16" else torch.float32
     B, T, H, K = q.shape
     out = (
         v.new_empty(v.shape),

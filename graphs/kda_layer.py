@@ -160,8 +160,10 @@ class LinearAttention(nn.Module):
         elif serving and not prec.batch_invariant:
             o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         else:
+            # batch-invariant FP32: rows must not depend on the later rows of their chunk (decode replay)
+            kda = "fp32_exact" if prec.batch_invariant and prec.kda == "fp32" else prec.kda
             o, state = ops.kda_chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                     precision=prec.kda)
+                                     precision=kda)
         gate = linear(self.g_b_proj, linear(self.g_a_proj, x, prec), prec).view(T, self.num_heads, self.head_dim)
         o = self.o_norm(o[0], gate, prec).reshape(T, -1)
         return linear(self.o_proj, o, prec), state

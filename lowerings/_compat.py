@@ -157,21 +157,22 @@ def _persistent_choices(max_numel: int):
                 return kwargs
             return {**kwargs, "fixed_config": FixedTritonConfig({"XBLOCK": SMALL_REDUCTION_XBLOCK})}
 
-        @staticmethod
-        def reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction) -> int:
+        # torch 2.11 and 2.13 give these hooks different arguments (2.11: the kernel's features to
+        # should_use_cooperative_reduction), as static or bound methods: the overrides forward
+        # whatever they get to Inductor's own through super()
+        def reduction_split_factor(self, *args, **kwargs) -> int:
             """Inductor's split (it grows as the number of output rows shrinks), except in a
             batch-invariant graph: never split, so a row's reduction order is the same for every
             row count (a decode step and a full forward)."""
             if lowering_batch_invariant_graph():
                 return 1
-            return InductorChoices.reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction)
+            return super().reduction_split_factor(*args, **kwargs)
 
-        @staticmethod
-        def should_use_cooperative_reduction(device, numel, reduction_numel) -> bool:
+        def should_use_cooperative_reduction(self, *args, **kwargs) -> bool:
             """Inductor's choice (cooperative below 16 rows), never in a batch-invariant graph."""
             if lowering_batch_invariant_graph():
                 return False
-            return InductorChoices.should_use_cooperative_reduction(device, numel, reduction_numel)
+            return super().should_use_cooperative_reduction(*args, **kwargs)
 
         def uuid(self) -> str:
             """Cache-key part (2.13 hashes ``config.inductor_choices_class`` through it)."""

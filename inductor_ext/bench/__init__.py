@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from inductor_ext.bench import attn, kda, kpool, layer, moe
+from inductor_ext.bench import attn, invariance, kda, kpool, layer, moe
 from inductor_ext.bench.kda import DEFAULT_TOKENS
 
 __all__ = ["Benchmark", "BENCHES", "DEFAULT_SAMPLES", "DEFAULT_TOKENS", "run_benches", "format_benches",
@@ -60,6 +60,8 @@ BENCHES: dict[str, Benchmark] = {  # name -> benchmark, in the order of `bench a
     "layer": Benchmark("Whole layers", layer.bench_layer, layer.format_layer, samples=20),
     "attn": Benchmark("Sparse attention (absorbed MLA) beside dense causal SDPA", attn.bench_attn, token_list=True,
                       samples=20),
+    "invariance": Benchmark("Price of batch invariance (layers, decode step)", invariance.bench_invariance,
+                            invariance.format_invariance, samples=20),
 }
 
 

@@ -67,7 +67,10 @@ from lowerings._compat import cudagraph_trees_recorded, inductor_config, reset_c
 __all__ = ["bench_layer", "format_layer", "KINDS", "VARIANTS", "PRECISIONS"]
 
 KINDS = ("kda", "dsa")
-PRECISIONS = ("serving_aligned", "reference")  # PrecisionConfig presets
+# preset name -> PrecisionConfig ("batch_invariant": serving_aligned with batch_invariant=True)
+CONFIGS = {"serving_aligned": PrecisionConfig.serving_aligned(), "reference": PrecisionConfig.reference(),
+           "batch_invariant": PrecisionConfig.serving_aligned().replace(batch_invariant=True)}
+PRECISIONS = tuple(CONFIGS)
 VARIANTS = ("fwd", "fwd_bwd")
 _GIB = 2**30
 _HAS_OR_ERROR = hasattr(inductor_config.triton, "cudagraph_or_error")  # torch >= 2.6
@@ -96,7 +99,8 @@ def bench_layer(tokens: int = 8192, kinds=KINDS, samples: int = 20, progress=Non
     docstring). ``progress``: a callable taking one message per step (and a tqdm bar on stderr
     when tqdm is installed). ``attn_impl``: the DSA layer's sparse attention, ``"flex"``
     (FlexAttention; the CUDA path) or ``"eager"`` (dense masked math, O(H·T²) memory).
-    ``precision``: the :class:`PrecisionConfig` preset, ``"serving_aligned"`` or ``"reference"``.
+    ``precision``: the :class:`PrecisionConfig` preset, ``"serving_aligned"``, ``"reference"`` or
+    ``"batch_invariant"`` (serving_aligned with ``batch_invariant=True``; :data:`CONFIGS`).
     ``on_partial``: called with the result so far after each kind (a run cut short keeps what
     finished).
 
@@ -380,7 +384,7 @@ def _bench(tokens, kinds, samples, progress, setup: _Setup, precision: str = "se
     inductor_ext.enable()
     rows = []
     with Progress(progress, total=len(kinds) * (1 + 5 * len(VARIANTS)), desc="bench layer") as prog, \
-            inductor_ext.precision(getattr(PrecisionConfig, precision)()):
+            inductor_ext.precision(CONFIGS[precision]):
         for kind in kinds:
             prog.step(f"{kind}: build the {setup.preset} layer")
             layer, x, x_check, cu = _build(kind, tokens, setup)

@@ -96,7 +96,7 @@ def _route(entry: str, op_name: str):
         precision = rest[5]
         if fp32_kernels_apply(q, v, precision):
             return "triton", fp32_kernel
-        if precision == "fp32":
+        if precision != "bf16":
             _log_wide_fp32(op_name, q.shape[-1], v.shape[-1])
         return "fla", fla_kernel
 
@@ -160,8 +160,10 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
         initial_state: optional fp32 ``[N,H,K,V]``.
         cu_seqlens: optional int64 ``[N+1]`` document offsets (0 ... T, non-decreasing); needs B = 1.
         precision: ``"bf16"`` (flash-linear-attention's BF16 intermediates) or ``"fp32"`` (inputs
-            promoted before the L2 norm, every intermediate and the backward in FP32); ``None``
-            takes ``PrecisionConfig.kda`` of the active config.
+            promoted before the L2 norm, every intermediate and the backward in FP32) or
+            ``"fp32_exact"`` (``"fp32"``'s arithmetic; on CUDA every decay product by the exact path,
+            so a row never depends on the later rows of its chunk: what ``batch_invariant`` layers
+            pass); ``None`` takes ``PrecisionConfig.kda`` of the active config.
 
     Returns:
         ``(o, final_state)``: o ``[B,T,H,V]`` in v's dtype, final_state fp32 ``[N,H,K,V]``

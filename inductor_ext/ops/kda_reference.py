@@ -40,11 +40,20 @@ import torch
 from inductor_ext.config import KDA_PRECISIONS as PRECISIONS
 from inductor_ext.ops._checks import check_cu_seqlens_values
 
+# the op's precision argument: the config's values, plus "fp32_exact", which the layers pass for
+# kda="fp32" under PrecisionConfig.batch_invariant: the same FP32 arithmetic (the reference kernels
+# are one and the same), on CUDA with every decay product by the exact elementwise path, so that a
+# row's result depends on that row and the earlier rows of its chunk only (docs/DESIGN.md §9)
+FP32_PRECISIONS = ("fp32", "fp32_exact")
+OP_PRECISIONS = (*PRECISIONS, "fp32_exact")
+
 __all__ = [
     "CHUNK",
     "FP32_KERNEL_MAX_DIM",
     "L2_EPS",
     "PRECISIONS",
+    "OP_PRECISIONS",
+    "FP32_PRECISIONS",
     "kda_chunk_reference",
     "kda_chunk_reference_kernel",
     "kda_chunk_bwd_reference_kernel",
@@ -73,8 +82,8 @@ _LOG2E = 1.0 / math.log(2.0)
 
 def validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, precision) -> None:
     """Static checks (shapes, dtypes, devices, precision); raise ``ValueError`` naming the rule."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"kda precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision not in OP_PRECISIONS:
+        raise ValueError(f"kda precision must be one of {OP_PRECISIONS}, got {precision!r}")
     if q.dim() != 4:
         raise ValueError(f"kda: q must be [B,T,H,K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -307,7 +316,7 @@ def fp32_kernels_apply(q: torch.Tensor, v: torch.Tensor, precision: str) -> bool
     """Whether precision "fp32" runs the own FP32-grade kernels on CUDA (head dims K, V ≤ 128; wider
     heads take flash-linear-attention's kernels on FP32 inputs, TF32 dots). Whenever this holds,
     the op's residuals have the layout of :func:`fp32_residual_shapes`, on every device."""
-    return precision == "fp32" and q.shape[-1] <= FP32_KERNEL_MAX_DIM and v.shape[-1] <= FP32_KERNEL_MAX_DIM
+    return precision in FP32_PRECISIONS and q.shape[-1] <= FP32_KERNEL_MAX_DIM and v.shape[-1] <= FP32_KERNEL_MAX_DIM
 
 
 def chunk_count(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> int:

@@ -25,6 +25,7 @@ from inductor_ext.kernels.kda_fp32 import chunk, chunk_list, forward, gluon_stat
 from inductor_ext.kernels.kda_fp32 import solve as kda_solve  # noqa: E402
 from inductor_ext.kernels.kda_fp32.backward import kda_fp32_bwd  # noqa: E402
 from inductor_ext.kernels.kda_fp32.forward import kda_fp32_fwd  # noqa: E402
+from tests.support.batch_invariant import interpreter_numerics  # noqa: E402
 from tests.support.fp64 import TOL, Case, assert_rel_l2, make_inputs, recurrence_fp64, rel_l2, round_bf16, vjp_fp64  # noqa: E402
 from tests.support.triton_interpreter import apply_interpreter_shims  # noqa: E402
 
@@ -548,3 +549,41 @@ def test_cuda_h64_k128_t16384():
     inputs = make_inputs(Case("T16384", (16384,), heads=64, k_dim=128, v_dim=128), torch.float32, device="cuda")
     o, s = _run(inputs)
     _check_fp32("cuda T16384", o, s, *_reference(inputs))
+
+
+def _partial_chunk_rows_match(inputs, exact, cuts=(5, 20)) -> list[bool]:
+    """For each cut c: are the rows of the second chunk's first c tokens, run alone (zero-padded to
+    64, from the first chunk's final state), bitwise the rows of the full 128-token run?"""
+    K, dev = inputs["q"].shape[-1], inputs["q"].device
+    cu = torch.tensor([0, 64], device=dev)
+    rows = lambda lo, hi: [inputs[n][:, lo:hi] for n in ARGS]  # noqa: E731
+    full, _ = kda_fp32_fwd(*rows(0, 128), K ** -0.5, None, torch.tensor([0, 128], device=dev), exact=exact)
+    _, boundary = kda_fp32_fwd(*rows(0, 64), K ** -0.5, None, cu, exact=exact)
+    same = []
+    for c in cuts:
+        padded = [torch.cat([x, x.new_zeros(1, 64 - c, *x.shape[2:])], 1) for x in rows(64, 64 + c)]
+        o, _ = kda_fp32_fwd(*padded, K ** -0.5, boundary, cu, exact=exact)
+        same.append(torch.equal(o[:, :c], full[:, 64:64 + c]))
+    return same
+
+
+@needs_interpreter
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "factored"])
+def test_partial_chunk_rows_equal_the_full_chunks_only_on_the_exact_path(exact):
+    """What the batch-invariant decode relies on (``graphs/kda_replay.py``, precision "fp32_exact"):
+    with ``exact`` the rows of a partial chunk, zero-padded to 64 and run from the boundary state, are
+    bitwise the same rows of the full chunk; the factored paths (reference row 32, the whole-chunk
+    span check) make a row depend on the later rows of its chunk. Position-independent interpreter
+    dots (``interpreter_numerics``), as a GPU MMA's rows are."""
+    inputs = make_inputs(Case("two-chunks", (128,), heads=2, k_dim=32, v_dim=32), torch.float32)
+    with interpreter_numerics(ordered_dot=True):
+        same = _partial_chunk_rows_match(inputs, exact)
+    assert all(same) if exact else not any(same), same
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET, reason="the H200 geometry is for compiled kernels, not the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_exact_path_partial_chunk_rows_equal_the_full_chunks(dtype):
+    inputs = make_inputs(Case("two-chunks-h64", (128,), heads=64, k_dim=128, v_dim=128), dtype, device="cuda")
+    assert all(_partial_chunk_rows_match(inputs, exact=True, cuts=(1, 5, 20, 40, 63)))

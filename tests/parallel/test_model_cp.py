@@ -21,7 +21,8 @@ a shard boundary, ``test_kda_cp``; every other step is per token):
   sum, so each gradient must be within max(3e-2, 3·noise), noise = the single-rank BF16 gradient's
   own distance to the FP32 run on the same weights: the mHC ``scale``/``base`` gradients (3 and 24
   numbers, sums over all tokens with heavy cancellation) are noise-dominated (~0.2 apart in BF16,
-  2e-5 in FP32).
+  2e-5 in FP32). The whole tiny model's gradients go through ``cp-check`` on 2 and 4 ranks
+  instead (indexer selections pinned, derived bounds: ``inductor_ext.parallel.check``).
 - Bitwise equality is reported (``first_doc_bitwise``: the document inside the first shard), not
   asserted: the per-token matmuls (the MoE's grouped GEMM over each expert's rows, above all) see
   other row counts than on one rank, and CPU GEMMs are not batch-invariant (measured: bitwise in
@@ -175,6 +176,9 @@ PLANT_REJECTS = {"grad fp32 layers.1.attn_hc.scale", "grad layers.1.self_attn.kv
 CHECK_CASES = (("reference", "zigzag"), ("serving_aligned", "contiguous"))
 for _c, _lay in CHECK_CASES:
     register(4, f"cp-check-{_c}-{_lay}", check_worker, _c, _lay, PLANTS if _c == "reference" else ())
+TWO_RANK_CHECKS = [(c, lay) for c in ("reference", "serving_aligned") for lay in LAYOUTS]
+for _c, _lay in TWO_RANK_CHECKS:
+    register(2, f"cp-check-{_c}-{_lay}", check_worker, _c, _lay)
 
 
 CASES = [(c, lay) for c in CONFIGS for lay in LAYOUTS]
@@ -206,12 +210,22 @@ FULL_CASES = [(c, lay) for c in FULL_CONFIGS for lay in LAYOUTS]
 @pytest.mark.parametrize("config_name,layout", FULL_CASES, ids=[f"{c}-{lay}" for c, lay in FULL_CASES])
 def test_tiny_model_with_dsa_layers_cp_equals_one_rank(config_name, layout):
     """The whole tiny model (the DSA layers gather the indexer keys and the MLA latent; global ids),
-    BF16: the same tolerances as the KDA-only BF16 model."""
+    BF16: logits as the KDA-only BF16 model, every parameter reached. Its gradients are judged by
+    ``cp-check`` with the indexer selections pinned (test_cp_check_on_two_ranks): unpinned, one
+    top-k flip between CP and one rank moves a 3-number mHC gradient past any fixed bound (seen
+    here: layers.2.attn_hc.scale 5.0e-2 against max(3e-2, 3·noise) = 4.9e-2; issue 31)."""
     res = job_result(2, f"full-model-{config_name}")[0][layout]
     assert not res["missing_grads"], res["missing_grads"]
     assert res["logits"][0] <= 2e-2, res["logits"]
-    bad = {n: v for n, v in res["grads"].items() if not v[0] <= max(3e-2, 3 * v[2])}
+
+
+@pytest.mark.parametrize("config_name,layout", TWO_RANK_CHECKS, ids=[f"{c}-{lay}" for c, lay in TWO_RANK_CHECKS])
+def test_cp_check_on_two_ranks(config_name, layout):
+    """``cp-check --ranks 2`` on the whole tiny model: every row within its stated bound."""
+    rows = job_result(2, f"cp-check-{config_name}-{layout}")[0]["rows"][0]
+    bad = [r for r in rows if not r["ok"]]
     assert not bad, bad
+    assert any(r["name"].startswith("grad fp32 ") for r in rows)
 
 
 @pytest.mark.parametrize("config_name,layout", CHECK_CASES, ids=[f"{c}-{lay}" for c, lay in CHECK_CASES])

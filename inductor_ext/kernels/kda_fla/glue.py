@@ -22,7 +22,7 @@ __all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
 
 
 def _compute_dtype(precision: str) -> torch.dtype:
-    return torch.float32 if precision == "fp32" else torch.bfloat16
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def _norm_input(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:

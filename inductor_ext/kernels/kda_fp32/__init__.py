@@ -23,8 +23,10 @@ __all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
 
 
 def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
-    """(o in v's dtype, FP32 final state, five empty FP32 residuals, Aqk, (A⁻¹, k̂–k̂ products))."""
-    o, final, *kept = kda_fp32_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, keep_a=residuals)
+    """(o in v's dtype, FP32 final state, five empty FP32 residuals, Aqk, (A⁻¹, k̂–k̂ products));
+    precision "fp32_exact" takes the exact decay path everywhere (``kda_fp32_fwd(exact=True)``)."""
+    o, final, *kept = kda_fp32_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, keep_a=residuals,
+                                   exact=precision == "fp32_exact")
     # one tensor per output: a custom op's outputs must not alias each other
     empties = [q.new_empty(0, dtype=torch.float32) for _ in range(7 - len(kept))]
     return (o, final, *empties, *kept)

@@ -136,12 +136,14 @@ def check_blocks(name: str, block_k: int, block_v: int, **maxnregs: int | None) 
 
 def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: int, warps: int,
                chunk_maxnreg: int | None, keep_a: bool = False, given_a: tuple | None = None,
-               solve: bool = True) -> ChunkPass:
+               solve: bool = True, exact: bool = False) -> ChunkPass:
     """Launch the chunk kernel (twice) and, with ``solve``, the solve kernel on contiguous, checked
     inputs (see :func:`kda_fp32_fwd`). ``keep_a``: keep the k̂–k̂ products in ``AI`` beside A⁻¹;
     ``given_a``: (Aqk, AI) of an earlier call on the same inputs, which the chunk kernel then does not
     recompute. Without ``solve`` (the forward's state pass, which solves v_new itself) W keeps w's
-    right-hand side and U is empty."""
+    right-hand side and U is empty. ``exact``: every decay product by the exact elementwise path
+    (the launches see SPAN = -1: no factor passes the span checks), so each row's arithmetic reads
+    that row and the earlier rows of its chunk only, never a reference row or a whole-chunk check."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -175,10 +177,11 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
         load_a = given_a is not None
         # per (slot, head): 1 where the chunk's whole-chunk factors may exceed e^SPAN (not used when reading A)
         flag = torch.empty(0 if load_a else S, H, device=dev, dtype=torch.int32)
+        span = -1.0 if exact else chunk.SPAN
         for blocks in (False,) if load_a else (False, True):
             chunk.chunk_kernel[(n_slots, H)](
                 q, k, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.AQK, cp.DEC, ai, cp.NRM,
-                flag if flag.numel() else aqk, float(scale), H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=chunk.SPAN,
+                flag if flag.numel() else aqk, float(scale), H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=span,
                 STORE_A=keep_a and not load_a, LOAD_A=load_a, BLOCKS=blocks, num_warps=warps,
                 num_stages=CHUNK_STAGES, maxnreg=chunk_maxnreg)  # (FLAG is not touched unless used)
         if solve:
@@ -213,7 +216,8 @@ def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_outp
 
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
                  block_k: int = 32, block_v: int = 64, warps: tuple[int, int] = (4, 4),
-                 chunk_maxnreg: int | None = 168, split_output: bool = False, keep_a: bool = False):
+                 chunk_maxnreg: int | None = 168, split_output: bool = False, keep_a: bool = False,
+                 exact: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16 (read as they are, converted to FP32 on load),
@@ -232,13 +236,16 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     1.6 GB at T=16384, H=64, K=V=128); a parallel third kernel computes o from them.
     ``keep_a``: also return (Aqk ``[S,H,64,64]``, AI ``[S,H,2,64,64]``: A⁻¹ and the k̂–k̂ products),
     chunk-major FP32 with S = ``inductor_ext.ops.kda_reference.chunk_slots``, for
-    ``kda_fp32_bwd(..., given_a=...)``."""
+    ``kda_fp32_bwd(..., given_a=...)``.
+    ``exact``: the chunk kernel's exact decay path everywhere (see :func:`chunk_pass`): a partial
+    chunk's rows are bitwise the same rows of the full chunk (the batch-invariant decode replays
+    partial chunks); slower on gentle gates."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     check_blocks("kda_fp32_fwd", block_k, block_v, chunk_maxnreg=chunk_maxnreg)
     o = torch.empty(v.shape, device=v.device, dtype=v.dtype)  # stored in v's dtype by the state kernel
     q, k, v, g, beta = contiguous_inputs(q, k, v, g, beta)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
-                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a, solve=split_output)
+                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a, solve=split_output, exact=exact)
     final = torch.empty(cp.N, cp.H, cp.K, cp.V, device=q.device, dtype=torch.float32)
     kept = (cp.AQK, cp.AI) if keep_a else ()
     if not split_output:

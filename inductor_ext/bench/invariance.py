@@ -1,0 +1,88 @@
+"""``python -m inductor_ext bench invariance``: the price of ``PrecisionConfig.batch_invariant``.
+
+In one process, under ``serving_aligned()`` and under the same config with ``batch_invariant=True``:
+
+- the ``h200`` KDA and DSA decoder layers, forward and forward + backward, compiled and replayed
+  as CUDA graphs (:func:`inductor_ext.bench.layer.bench_layer`: its rows, p50 / max per replay);
+- one serving decode step of the ``h200_stack`` model (:func:`inductor_ext.report.mismatch.build_model`;
+  ``decode_seqs`` sequences after a ``decode_prompt``-token prefill, eager as the decoder runs:
+  CUDA events around each :meth:`graphs.decode.ServingDecoder.step`, ``decode_steps`` steps after
+  two warm-up steps).
+
+Returns ``{"layer": {config: bench_layer result}, "decode": {config: {p50_us, max_us, samples}},
+"ratios": [...]}``; a ratio is batch-invariant p50 over plain p50 (the issue's targets:
+forward + backward ≤ 1.15, a decode step ≤ 1.5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inductor_ext.bench import layer as layer_bench
+from inductor_ext.bench import timing
+from inductor_ext.bench.progress import Progress
+
+__all__ = ["bench_invariance", "format_invariance", "CONFIG_NAMES"]
+
+CONFIG_NAMES = ("serving_aligned", "batch_invariant")  # keys of inductor_ext.bench.layer.CONFIGS
+
+
+def bench_invariance(tokens: int = 8192, samples: int = 20, progress=None, *, decode_seqs: int = 64,
+                     decode_prompt: int = 128, decode_steps: int = 10) -> dict:
+    """See the module docstring. Raises ``ValueError`` without CUDA or on bad arguments."""
+    if not torch.cuda.is_available():
+        raise ValueError("bench invariance needs a CUDA device")
+    for name, value in (("decode_seqs", decode_seqs), ("decode_prompt", decode_prompt),
+                        ("decode_steps", decode_steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"bench invariance: {name} must be an int >= 1, got {value!r}")
+    layers = {name: layer_bench.bench_layer(tokens, samples=samples, progress=progress, precision=name)
+              for name in CONFIG_NAMES}
+    decode = {}
+    with Progress(progress, total=len(CONFIG_NAMES), desc="bench invariance: decode") as prog:
+        for name in CONFIG_NAMES:
+            prog.step(f"decode step, {name}")
+            decode[name] = _decode_step(layer_bench.CONFIGS[name], decode_seqs, decode_prompt, decode_steps)
+            torch.cuda.empty_cache()
+    return {"tokens": tokens, "samples": samples, "layer": layers, "decode": decode,
+            "decode_shape": {"seqs": decode_seqs, "prompt": decode_prompt, "steps": decode_steps},
+            "ratios": _ratios(layers, decode)}
+
+
+@torch.no_grad()
+def _decode_step(config, seqs: int, prompt: int, steps: int) -> dict:
+    from graphs.decode import ServingDecoder
+    from graphs.serving import ServingForward
+    from inductor_ext.report.mismatch import build_model, make_prompts
+
+    model = build_model(0, "h200_stack", "cuda")
+    decoder = ServingDecoder(ServingForward(model, config))
+    logits, cache = decoder.prefill(make_prompts(model.config.vocab_size, seqs, prompt, 0, "cuda"))
+    step, times = decoder.step, []
+    for i in range(steps + 2):
+        tokens = logits.argmax(-1)
+        (logits, _), us = timing.timed(lambda tokens=tokens: step(tokens, cache))  # cache: updated in place
+        if i >= 2:
+            times.append(us)
+    return timing.summarize(times)
+
+
+def _ratios(layers: dict, decode: dict) -> list[dict]:
+    plain, invariant = (layers[n]["rows"] for n in CONFIG_NAMES)
+    rows = []
+    for a, b in zip(plain, invariant):
+        if "p50_us" in a and "p50_us" in b:
+            rows.append({"what": f"{a['kind']} {a['variant']}", "plain_p50_us": a["p50_us"],
+                         "batch_invariant_p50_us": b["p50_us"], "ratio": b["p50_us"] / a["p50_us"]})
+    a, b = (decode[n] for n in CONFIG_NAMES)
+    rows.append({"what": "decode step", "plain_p50_us": a["p50_us"], "batch_invariant_p50_us": b["p50_us"],
+                 "ratio": b["p50_us"] / a["p50_us"]})
+    return rows
+
+
+def format_invariance(result: dict) -> str:
+    """Markdown: one row per layer variant and the decode step (p50 µs plain, batch-invariant, ratio)."""
+    lines = ["| what | plain p50 (µs) | batch-invariant p50 (µs) | ratio |", "|---|---|---|---|"]
+    lines += [f"| {r['what']} | {r['plain_p50_us']:.1f} | {r['batch_invariant_p50_us']:.1f} | {r['ratio']:.3f} |"
+              for r in result["ratios"]]
+    return "\n".join(lines)
