@@ -458,14 +458,11 @@ def test_cuda_grouped_backward_and_graph_capture():
 
     for name, a, e in zip(("y", "dx", "dweight"), kernels(), eager):
         assert torch.equal(a, e), f"{name}: the op calls differ from autograd's"
-    side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph wants
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        kernels()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = kernels()
+    from inductor_ext.bench.timing import capture  # warm-up on a side stream, then the capture
+
+    static = {}
+    graph = capture(lambda: static.update(out=kernels()), warmup=1)
+    captured = static["out"]
     offs.copy_(torch.tensor([64, 64, 200, 333, 333, 500, 500, 590], dtype=torch.int32))
     graph.replay()
     want = step()
