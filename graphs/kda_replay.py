@@ -16,9 +16,9 @@ reads the rows after i only through exact zeros (the causal decay mask, the tria
 its bits do not depend on what those rows hold, but they do depend on the chunk's row count on the
 CPU: MKL's product of a 1-row ``[1, K] @ [K, V]`` (the state terms ``w @ h`` and ``q·e^g @ h``) and
 of a 2- or 3-row lower-triangular ``[c, c] @ [c, V]`` round differently from the same rows inside 64
-(a few FP32 ulps, ~1e-5 relative). A padded chunk has the full chunk's shapes, hence its row i.
-(The forward's own last, partial chunk of a document has the same dependence: see
-``tests/graphs/test_kda_replay.py``.) Past the new row the padded run's rows and final state are
+(a few FP32 ulps, ~1e-5 relative). A padded chunk has the full chunk's shapes, hence its row i
+(the CPU reference pads a document's own last, partial chunk the same way; the CUDA kernels always
+run 64-row tiles). Past the new row the padded run's rows and final state are
 unused; the buffers are zeroed when a chunk completes.
 
 Cost per step: ``mix`` over 64 rows per sequence (O(chunk), against O(1) for the recurrence).

@@ -157,6 +157,15 @@ def _chunk_document(qn, kn, v, g, beta, scale, state, rnd):
     "fp32"). Returns o, the final state and this document's g_cumsum / Aqk / Akk⁻¹ residuals.
     """
     B, L, H, K = qn.shape
+    padded = -(-L // CHUNK) * CHUNK
+    if padded != L:
+        # a partial last chunk runs zero-padded to CHUNK rows: its rows see the rows after them only
+        # through exact zeros, and with the full chunk's shapes every row's bits are those it has
+        # inside a longer document (MKL rounds 1-3-row products differently; the decode's chunk
+        # replay relies on it, graphs/kda_replay.py); the final state is the same value
+        pad = lambda x: torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, padded - L))  # noqa: E731
+        o, state, gcum, aqk, akk = _chunk_document(*(pad(x) for x in (qn, kn, v, g, beta)), scale, state, rnd)
+        return o[:, :L], state, gcum[:, :L], aqk[:, :L], akk[:, :L]
     outs, gcums, aqks, akks = [], [], [], []
     for s in range(0, L, CHUNK):
         c = min(CHUNK, L - s)

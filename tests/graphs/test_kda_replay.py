@@ -6,7 +6,8 @@ What makes it exact: ``kda_chunk``'s chunks of 64 start at each document's first
 ``initial_state`` continues the document from there), so replaying the open chunk from the FP32
 state at its boundary runs the chunk forward's own chunk; and the open chunk zero-padded to 64 rows
 gives its rows the full chunk's bits (checked on the op, then through the layer and the decoder).
-Run with only its own rows it does not, on this CPU (the xfail below, graphs/kda_replay.py).
+Run with only its own rows on this CPU it does too since the CPU reference pads a document's partial
+last chunk the same way (``kda_reference._chunk_document``).
 """
 
 import pytest
@@ -21,8 +22,7 @@ from inductor_ext import PrecisionConfig, ops
 from inductor_ext.report.mismatch import build_model
 
 KDA = ["bf16", "fp32"]
-# crosses the chunk boundaries 64, 128 and 192; the forward's last chunk has 8 rows (a document ending 1 to
-# 3 rows past a boundary would meet the partial-chunk dependence of the xfail below, not the replay's)
+# crosses the chunk boundaries 64, 128 and 192; the forward's last chunk has 8 rows
 T = 200
 
 
@@ -75,14 +75,13 @@ def test_padded_chunk_row_independent_of_later_rows(kda, K):
     assert [c for c, row, ref in _second_chunk_rows(kda, True, K) if not torch.equal(row, ref)] == []
 
 
-@pytest.mark.xfail(reason="CPU: MKL rounds a 1-row [1,K]@[K,V] (the state terms of a 1-row chunk) and a 2- or "
-                          "3-row [c,c]@[c,V] differently from the same rows in a 64-row chunk (FP32 ulps), so the "
-                          "chunk forward's last partial chunk of a document is not bitwise its rows in a longer "
-                          "document; fixed by padding every partial chunk to 64 rows in kda_reference._chunk_document")
 @pytest.mark.parametrize("kda", KDA)
 def test_partial_chunk_row_independent_of_chunk_length(kda):
-    """The same for the chunk run with only its c rows (what the forward does with a document's last,
-    partial chunk): row c - 1 must not depend on how many rows the chunk has."""
+    """The same for the chunk run with only its c rows (a document's last, partial chunk): row c - 1
+    must not depend on how many rows the chunk has. MKL rounds a 1-row ``[1,K]@[K,V]`` and a 2- or
+    3-row ``[c,c]@[c,V]`` differently from the same rows in a 64-row chunk (FP32 ulps; this failed
+    for c = 1..3 before), so the CPU reference runs a partial chunk zero-padded to 64 rows
+    (``kda_reference._chunk_document``)."""
     assert [c for c, row, ref in _second_chunk_rows(kda, False, 32) if not torch.equal(row, ref)] == []
 
 
