@@ -14,7 +14,6 @@ ascending pool order).
 """
 
 import importlib
-import os
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ import torch
 from inductor_ext import workspace
 from inductor_ext.ops import kpool_reference as ref
 from tests.support.kpool import calc_diff
-from tests.support.triton_interpreter import apply_interpreter_shims
+from tests.support.triton_interpreter import interpreter_kernels
 
 pytest.importorskip("triton")
 
@@ -87,11 +86,7 @@ def _query_inputs(T, H, seed=0):
 @pytest.fixture(scope="module")
 def kt():
     """The kernel modules in interpreter mode (CPU tensors)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("interpreter tests: run `TRITON_INTERPRET=1 pytest tests/kernels/test_kpool_triton.py` "
-                    "(own process)")
-    apply_interpreter_shims()
-    return importlib.import_module("inductor_ext.kernels.kpool")
+    return interpreter_kernels("inductor_ext.kernels.kpool", "tests/kernels/test_kpool_triton.py")
 
 
 @pytest.mark.parametrize("mode", ref.COMPRESS_MODES)

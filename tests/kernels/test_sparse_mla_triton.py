@@ -13,8 +13,6 @@ gradients scaled by 1e30 and 1e-30 (the fixed-point scale follows them); split a
 bitwise equal.
 """
 
-import importlib
-import os
 
 import pytest
 import torch
@@ -42,15 +40,11 @@ iids = [c.name for c in INTERP_CASES]
 @pytest.fixture(scope="module")
 def kt():
     """The kernel package in interpreter mode (CPU tensors)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("interpreter tests: run `TRITON_INTERPRET=1 pytest tests/kernels/test_sparse_mla_triton.py` "
-                    "(own process)")
     from tests.support.sparse_mla import apply_bf16_rounding_shim
-    from tests.support.triton_interpreter import apply_interpreter_shims
+    from tests.support.triton_interpreter import interpreter_kernels
 
-    apply_interpreter_shims()
-    apply_bf16_rounding_shim()
-    return importlib.import_module("inductor_ext.kernels.sparse_mla")
+    return interpreter_kernels("inductor_ext.kernels.sparse_mla", "tests/kernels/test_sparse_mla_triton.py",
+                               apply_bf16_rounding_shim)
 
 
 def _forward_checks(name, out, lse, out64, lse64, ratio=FLOOR_RATIO):

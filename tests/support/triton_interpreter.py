@@ -36,3 +36,20 @@ def apply_interpreter_shims():
     interp.InterpreterBuilder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
     interp.InterpreterBuilder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
     interp._glm53_shimmed = True
+
+
+def interpreter_kernels(package: str, test_file: str, *shims):
+    """The kernel package ``package`` for tests on CPU tensors: skips unless ``TRITON_INTERPRET=1``
+    (naming the command for ``test_file``), applies :func:`apply_interpreter_shims` and each of
+    ``shims`` (callables), then imports the package."""
+    import importlib
+    import os
+
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(f"interpreter tests: run `TRITON_INTERPRET=1 pytest {test_file}` (own process)")
+    apply_interpreter_shims()
+    for shim in shims:
+        shim()
+    return importlib.import_module(package)
