@@ -153,7 +153,8 @@ def _persistent_choices(max_numel: int):
             # the measured tile: rows of 65-128 elements (one R0_BLOCK of 128), no y dimension
             if (not issubclass(kernel_cls, TritonKernel) or "fixed_config" in kwargs
                     or not small(features, lowest=max_numel // 2 + 1) or not rows_by_groups(groups)
-                    or kwargs.get("override_persistent_reduction") is False):
+                    or kwargs.get("override_persistent_reduction") is False
+                    or kwargs.get("mix_order_reduction")):  # its launch needs RSPLIT_SIZE: Inductor's configs
                 return kwargs
             return {**kwargs, "fixed_config": FixedTritonConfig({"XBLOCK": SMALL_REDUCTION_XBLOCK})}
 

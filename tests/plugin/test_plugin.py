@@ -128,6 +128,8 @@ def test_enable_keeps_one_qdq_group_reduction_persistent(monkeypatch):
     assert fixed(128, groups=({"x": 64, "y": 128, "r0_": 128},)) is None  # a tiled reduction keeps autotuning
     assert fixed(128, kernel_cls=CppKernel) is None and fixed(128, override_persistent_reduction=False) is None
     assert fixed(128, fixed_config=FixedTritonConfig({"XBLOCK": 2})) == {"XBLOCK": 2}  # someone else's stays
+    # a mix-order reduction (CUDA, torch 2.11) launches with RSPLIT_SIZE: XBLOCK alone fails its compile
+    assert fixed(128, mix_order_reduction=True, override_persistent_reduction=True) is None
     monkeypatch.setattr(inductor_config.triton, "persistent_reductions", False)
     assert not decide(Features(128), False) and fixed(128) is None
     # someone else's choices class is left alone
