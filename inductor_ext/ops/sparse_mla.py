@@ -1,10 +1,13 @@
 """``glm53::sparse_mla`` (DSA sparse attention, absorbed MLA form) and ``glm53::sparse_mla_bwd``.
 
 Contract: ``docs/DESIGN.md`` §4 "sparse_mla"; numerics and input rules:
-:mod:`inductor_ext.ops.sparse_mla_reference` (the CPU kernels, plain torch). CUDA kernels: Triton
-(:mod:`inductor_ext.kernels.sparse_mla`); without triton the plain-torch reference runs on CUDA
-too, logged once. Static output shapes and no host synchronisation in the ops, so a layer that calls
-them compiles into one graph and captures into a CUDA graph. ``token_ids`` get no gradient.
+:mod:`inductor_ext.ops.sparse_mla_reference` (the CPU kernels, plain torch). CUDA kernels
+(:mod:`inductor_ext.kernels.sparse_mla`): the forward is TileLang's warp-specialised kernel where it
+supports the geometry (sm_90, H a multiple of 64, D = d_v <= 512, BF16) and the ``tilelang`` extra
+imports, else Triton (a missing tilelang is logged once); the backward is Triton. Without triton the
+plain-torch reference runs on CUDA too, logged once. Static output shapes and no host
+synchronisation in the ops, so a layer that calls them compiles into one graph and captures into a
+CUDA graph. ``token_ids`` get no gradient.
 """
 
 from __future__ import annotations
@@ -66,6 +69,29 @@ def _triton_fwd():
 
 
 @functools.cache
+def _tilelang_fwd():
+    from inductor_ext.kernels.sparse_mla.tilelang_forward import sparse_mla_fwd_tilelang
+
+    def kernel(q, kv, token_ids, scale, d_v, deterministic):
+        return sparse_mla_fwd_tilelang(q, kv, token_ids, scale, d_v)
+
+    return kernel
+
+
+def _fwd_route(q, kv, token_ids, scale, d_v, deterministic):
+    """``("tilelang", loader)`` where that kernel supports the geometry and tilelang imports (else
+    logged once), otherwise ``("triton", loader)``."""
+    if not backends.available("triton"):  # the kernel package imports triton; the router logs the fallback
+        return "triton", _triton_fwd
+    from inductor_ext.kernels.sparse_mla.tilelang_forward import supports
+
+    if (supports(q, kv, token_ids, d_v, torch.cuda.get_device_capability(q.device))
+            and backends.load("tilelang", "glm53::sparse_mla", fallback="the Triton forward") is not None):
+        return "tilelang", _tilelang_fwd
+    return "triton", _triton_fwd
+
+
+@functools.cache
 def _triton_bwd():
     from inductor_ext.kernels.sparse_mla import sparse_mla_bwd
 
@@ -75,8 +101,7 @@ def _triton_bwd():
     return kernel
 
 
-backends.register_cuda_kernel(_sparse_mla_op, "glm53::sparse_mla", "triton", _plain_fwd, _triton_fwd,
-                              fallback=_FALLBACK)
+backends.register_cuda_router(_sparse_mla_op, "glm53::sparse_mla", _fwd_route, _plain_fwd, fallback=_FALLBACK)
 backends.register_cuda_kernel(_sparse_mla_bwd_op, "glm53::sparse_mla_bwd", "triton", _plain_bwd, _triton_bwd,
                               fallback=_FALLBACK)
 

@@ -1,0 +1,244 @@
+"""TileLang forward of ``glm53::sparse_mla`` for Hopper (sm_90a): warp-specialised, one CTA per
+(query row, group of 64 heads).
+
+Imports torch only; tilelang (the ``tilelang`` extra, 0.1.15) is imported when a kernel is first
+built, which compiles it for the geometry with nvcc (seconds; cached on disk by TileLang).
+
+Supported (:func:`supports`): an sm_90 device, ``H`` a multiple of 64, ``D = d_v`` a multiple of
+128 up to 512, BF16 q and kv, int32 or int64 ids (-1, or an id outside ``[0, S)``, is padding,
+anywhere in a row). The op runs the Triton forward for every other geometry.
+
+Three warpgroups of 128 threads share the CTA:
+
+- the producer gathers the listed latent rows, ``BLOCK`` ids at a time, with ``cp.async`` into one
+  of two shared buffers (each row split into a left and a right half of ``D / 2`` columns); a
+  padding id loads row 0 (its scores are masked, so its probabilities are exact zeros);
+- consumer 0 computes the scores of the 64 heads against the block (``wgmma``, M = heads, K = D),
+  masks padding to ``-inf``, runs the FP32 online softmax (base 2), writes the probabilities rounded
+  to BF16 and the rescale factors to shared memory, and accumulates the left half of the output;
+- consumer 1 accumulates the right half from the same probabilities.
+
+mbarriers order them (phases counted from the row's first visited pair, ``rnd``): ``full[b]`` (producer → consumers, by ``cp.async`` completion), ``empty[b]``
+(both consumers → producer), ``p_full`` / ``p_empty`` (consumer 0 ↔ consumer 1, the probabilities).
+Numerics are the Triton forward's: FP32 scores and softmax, BF16 probabilities into the value MMA,
+``out = acc · (1 / l)`` rounded once, ``lse = (m + log2 l) · ln 2``; a row without valid ids gives
+``out = 0``, ``lse = -inf``. Rows are scheduled last row first. Before the loop the CTA finds the
+row's first and last valid position, so blocks outside that span are not visited. No host
+synchronisation.
+
+No ``from __future__ import annotations`` here: TileLang evaluates the kernel's parameter annotations,
+which name the geometry of the enclosing builder.
+"""
+
+import functools
+import math
+import types
+
+import torch
+
+__all__ = ["supports", "sparse_mla_fwd_tilelang", "HEADS_PER_CTA", "BLOCK"]
+
+HEADS_PER_CTA = 64
+BLOCK = 64
+_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: int,
+             capability: tuple[int, int]) -> bool:
+    """Whether this kernel runs the geometry on a device of compute ``capability``."""
+    H, D = q.shape[1], q.shape[2]
+    return (tuple(capability) == (9, 0) and q.dtype == kv.dtype == torch.bfloat16 and H % HEADS_PER_CTA == 0
+            and d_v == D and D % 128 == 0 and 128 <= D <= 512 and token_ids.dtype in (torch.int32, torch.int64))
+
+
+@functools.cache
+def _kernel(H: int, D: int, scale: float, ids_dtype: str):
+    import tilelang
+    import tilelang.language as T
+
+    HB, BI, DH = HEADS_PER_CTA, BLOCK, D // 2
+    NHG = H // HB
+    sl2 = scale * 1.4426950408889634
+    bf16, f32 = "bfloat16", "float32"
+    n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
+
+    @T.macro
+    def scores_and_left(c, i, kv_l, kv_r, b, rnd):
+        T.barrier_wait(c.full[b], rnd & 1)
+        for h, j in T.Parallel(HB, BI):
+            c.acc_s[h, j] = c.bias[b * BI + j]
+        T.wgmma_gemm(c.q_l, kv_l, c.acc_s, transpose_B=True)
+        T.wgmma_gemm(c.q_r, kv_r, c.acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+        T.barrier_wait(c.p_empty[0], (i & 1) ^ 1)
+        T.copy(c.m_i, c.m_prev)
+        T.reduce_max(c.acc_s, c.m_i, dim=1, clear=False)
+        for h in T.Parallel(HB):
+            c.alpha[h] = T.exp2((c.m_prev[h] - c.m_i[h]) * sl2)
+        for h, j in T.Parallel(HB, BI):
+            c.acc_s[h, j] = T.exp2(c.acc_s[h, j] * sl2 - c.m_i[h] * sl2)
+        T.reduce_sum(c.acc_s, c.l_blk, dim=1)
+        for h in T.Parallel(HB):
+            c.l_i[h] = c.l_i[h] * c.alpha[h] + c.l_blk[h]
+        for h, d in T.Parallel(HB, DH):
+            c.acc_l[h, d] *= c.alpha[h]
+        T.copy(c.alpha, c.alpha_sh)
+        T.copy(c.acc_s, c.p_sh)
+        T.barrier_arrive(c.p_full[0])
+        T.gemm(c.p_sh, kv_l, c.acc_l)
+        T.barrier_arrive(c.empty[b])
+
+    @T.macro
+    def right(c, i, kv_r, b):
+        T.barrier_wait(c.p_full[0], i & 1)
+        for h, d in T.Parallel(HB, DH):
+            c.acc_r[h, d] *= c.alpha_sh[h]
+        T.gemm(c.p_sh, kv_r, c.acc_r)
+        T.barrier_arrive(c.p_empty[0])
+        T.barrier_arrive(c.empty[b])
+
+    @T.macro
+    def gather(c, i, kv_l, kv_r, b, rnd):
+        p = c.tx - 256
+        for r in T.unroll(BI // 16):  # this thread's 4 ids first: independent loads, before the wait
+            pos = i * BI + r * 16 + p // 8
+            c.row_id[r] = c.Ids[c.t, T.min(pos, width - 1)]
+            if (pos >= width) | (c.row_id[r] < 0) | (c.row_id[r] >= n_keys):
+                c.row_id[r] = -1
+        T.barrier_wait(c.empty[b], (rnd & 1) ^ 1)
+        for r in T.unroll(BI // 16):
+            row = r * 16 + p // 8
+            if p % 8 == 0:
+                c.bias[b * BI + row] = T.if_then_else(c.row_id[r] >= 0, 0, -T.infinity(f32))
+            src = T.max(c.row_id[r], 0)
+            for u in T.unroll(DH // 64):
+                col = 64 * u + (p % 8) * 8
+                T.ptx_cp_async(T.access_ptr(kv_l[row, col], "w", extent=8),
+                               T.access_ptr(c.KV[src, col], "r", extent=8), 8)
+                T.ptx_cp_async(T.access_ptr(kv_r[row, col], "w", extent=8),
+                               T.access_ptr(c.KV[src, DH + col], "r", extent=8), 8)
+        T.barrier_arrive(c.full[b])  # the bias store (release); the rows arrive by cp.async completion
+        T.cp_async_barrier_noinc(c.full[b])
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([n_rows, H, D], bf16),
+        KV: T.Tensor([n_keys, D], bf16),
+        Ids: T.Tensor([n_rows, width], ids_dtype),
+        Out: T.Tensor([n_rows, H, D], bf16),
+        Lse: T.Tensor([n_rows, H], f32),
+    ):
+        with T.Kernel(n_rows * NHG, threads=384) as bx:
+            q_l = T.alloc_shared([HB, DH], bf16)
+            q_r = T.alloc_shared([HB, DH], bf16)
+            kv0_l = T.alloc_shared([BI, DH], bf16)
+            kv0_r = T.alloc_shared([BI, DH], bf16)
+            kv1_l = T.alloc_shared([BI, DH], bf16)
+            kv1_r = T.alloc_shared([BI, DH], bf16)
+            p_sh = T.alloc_shared([HB, BI], bf16)
+            alpha_sh = T.alloc_shared([HB], f32)
+            inv_sh = T.alloc_shared([HB], f32)
+
+            acc_s = T.alloc_fragment([HB, BI], f32)
+            acc_l = T.alloc_fragment([HB, DH], f32)
+            acc_r = T.alloc_fragment([HB, DH], f32)
+            m_i = T.alloc_fragment([HB], f32)
+            m_prev = T.alloc_fragment([HB], f32)
+            l_i = T.alloc_fragment([HB], f32)
+            l_blk = T.alloc_fragment([HB], f32)
+            alpha = T.alloc_fragment([HB], f32)
+            lse_f = T.alloc_fragment([HB], f32)
+            inv_l = T.alloc_fragment([HB], f32)
+            bias = T.alloc_shared([2 * BI], f32)
+            row_id = T.alloc_local([BI // 16], ids_dtype)
+            span = T.alloc_shared([2], "int32")
+            lo_hi = T.alloc_local([2], "int32")
+
+            bar_q = T.alloc_barrier(384)
+            full = T.alloc_barrier([256, 256])
+            empty = T.alloc_barrier([256, 256])
+            p_full = T.alloc_barrier(128)
+            p_empty = T.alloc_barrier(128)
+            done = T.alloc_barrier(128)
+
+            t = n_rows - 1 - bx // NHG
+            h0 = (bx % NHG) * HB
+            tx = T.get_thread_binding()
+
+            # the row's span [first valid id, last valid id]: blocks outside it are not visited
+            if tx == 0:
+                span[0] = width
+                span[1] = 0
+            T.sync_threads()
+            lo_hi[0] = width
+            lo_hi[1] = 0
+            for w in T.serial(T.ceildiv(width, 384)):
+                pos = w * 384 + tx
+                if pos < width:
+                    key = Ids[t, pos]
+                    if (key >= 0) & (key < n_keys):
+                        lo_hi[0] = T.min(lo_hi[0], pos)
+                        lo_hi[1] = T.max(lo_hi[1], pos + 1)
+            T.atomic_min(span[0], lo_hi[0])
+            T.atomic_max(span[1], lo_hi[1])
+            T.copy(Q[t, h0:h0 + HB, 0:DH], q_l)
+            T.copy(Q[t, h0:h0 + HB, DH:D], q_r)
+            T.barrier_arrive(bar_q[0])
+            T.sync_threads()
+            k_lo = span[0] // (2 * BI)
+            k_hi = T.ceildiv(span[1], 2 * BI)
+
+            c = types.SimpleNamespace(full=full, empty=empty, p_full=p_full, p_empty=p_empty, Ids=Ids, t=t,
+                                      acc_s=acc_s, q_l=q_l, q_r=q_r, m_i=m_i, m_prev=m_prev, alpha=alpha,
+                                      l_i=l_i, l_blk=l_blk, acc_l=acc_l, alpha_sh=alpha_sh, p_sh=p_sh,
+                                      acc_r=acc_r, tx=tx, row_id=row_id, KV=KV, bias=bias)
+
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(m_i, -(2.0 ** 30))
+                T.fill(l_i, 0)
+                T.fill(acc_l, 0)
+                T.barrier_wait(bar_q[0], 0)
+                for k in T.serial(k_lo, k_hi):
+                    scores_and_left(c, 2 * k, kv0_l, kv0_r, 0, k - k_lo)
+                    scores_and_left(c, 2 * k + 1, kv1_l, kv1_r, 1, k - k_lo)
+                for h in T.Parallel(HB):
+                    inv_l[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], 0)
+                    inv_sh[h] = inv_l[h]
+                    lse_f[h] = T.if_then_else(l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * sl2) * math.log(2.0),
+                                              -T.infinity(f32))
+                T.barrier_arrive(done[0])
+                for h, d in T.Parallel(HB, DH):
+                    acc_l[h, d] *= inv_l[h]
+                T.copy(acc_l, q_l)
+                T.copy(q_l, Out[t, h0:h0 + HB, 0:DH])
+                T.copy(lse_f, Lse[t, h0:h0 + HB])
+            elif tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_r, 0)
+                for k in T.serial(k_lo, k_hi):
+                    right(c, 2 * k, kv0_r, 0)
+                    right(c, 2 * k + 1, kv1_r, 1)
+                T.barrier_wait(done[0], 0)
+                for h, d in T.Parallel(HB, DH):
+                    acc_r[h, d] *= inv_sh[h]
+                T.copy(acc_r, q_r)
+                T.copy(q_r, Out[t, h0:h0 + HB, DH:D])
+            else:
+                T.set_max_nreg(80, 0)
+                for k in T.serial(k_lo, k_hi):
+                    gather(c, 2 * k, kv0_l, kv0_r, 0, k - k_lo)
+                    gather(c, 2 * k + 1, kv1_l, kv1_r, 1, k - k_lo)
+
+    # every global index above is in bounds by construction (ids clamped, positions masked), and
+    # TileLang's bounds guard on the gathered rows would turn the cp.async copies into plain loads
+    return tilelang.compile(main, out_idx=[3, 4], target=_TARGET,
+                            pass_configs={tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True})
+
+
+def sparse_mla_fwd_tilelang(q, kv, token_ids, scale, d_v):
+    """``(out [T, H, D] bf16, lse [T, H] fp32)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`)."""
+    q, kv, token_ids = (x.contiguous() for x in (q, kv, token_ids))
+    ids_dtype = "int32" if token_ids.dtype == torch.int32 else "int64"
+    kernel = _kernel(q.shape[1], q.shape[2], float(scale), ids_dtype)
+    return kernel(q, kv, token_ids)
