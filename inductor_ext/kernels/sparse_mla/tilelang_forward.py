@@ -18,8 +18,10 @@ Three warpgroups of 128 threads share the CTA:
   to BF16 and the rescale factors to shared memory, and accumulates the left half of the output;
 - consumer 1 accumulates the right half from the same probabilities.
 
-mbarriers order them (phases counted from the row's first visited pair, ``rnd``): ``full[b]`` (producer → consumers, by ``cp.async`` completion), ``empty[b]``
-(both consumers → producer), ``p_full`` / ``p_empty`` (consumer 0 ↔ consumer 1, the probabilities).
+mbarriers order them, phases counted from the row's first visited pair (``rnd``): ``full[b]``
+(producer → consumers: 128 plain arrivals publishing the bias, 128 by ``cp.async`` completion),
+``empty[b]`` (both consumers → producer), ``p_full`` / ``p_empty`` (consumer 0 ↔ consumer 1, the
+probabilities).
 Numerics are the Triton forward's: FP32 scores and softmax, BF16 probabilities into the value MMA,
 ``out = acc · (1 / l)`` rounded once, ``lse = (m + log2 l) · ln 2``; a row without valid ids gives
 ``out = 0``, ``lse = -inf``. Rows are scheduled last row first. Before the loop the CTA finds the
