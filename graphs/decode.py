@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from graphs.kda_layer import LinearAttention, document_positions
 from graphs.kda_replay import replay_prefill, replay_step
@@ -53,12 +52,13 @@ from graphs.serving import ServingForward
 from inductor_ext.ops.kpool import (
     INDEXER_EPS,
     INDEXER_SCALE_FMT,
+    indexer_query,
+    indexer_score_select,
     kpool_compress,
     kpool_layout,
-    kpool_logits,
     kpool_project,
+    kpool_project_batch_invariant,
     kpool_quant_query,
-    kpool_select,
 )
 
 __all__ = ["ServingDecoder", "DecodeCache"]
@@ -71,12 +71,13 @@ __all__ = ["ServingDecoder", "DecodeCache"]
 # projection are such linears, and a packed forward of many tokens runs them with M >= 12, so a step
 # of fewer than 12 sequences runs on copies of the last sequence up to 12 rows (dropped from the
 # outputs) to stay bitwise equal to the full re-forward. (Only matching a reference that itself
-# depends on its batch size; GPU GEMMs have their own heuristics.)
+# depends on its batch size; GPU GEMMs have their own heuristics.) Under batch_invariant every such
+# linear is a batch-invariant op, so no row is padded.
 _MIN_ROWS = 12
 
 
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    if t.shape[0] >= _MIN_ROWS:
+def _pad_rows(t: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    if batch_invariant or t.shape[0] >= _MIN_ROWS:
         return t
     return torch.cat([t, t[-1:].expand(_MIN_ROWS - t.shape[0], *t.shape[1:])], dim=0)
 
@@ -106,7 +107,8 @@ class _Buffer:
 @dataclasses.dataclass
 class DecodeCache:
     """Per-layer caches of ``num_seqs`` sequences of ``length`` tokens each (see the module doc;
-    fewer than 12 sequences are cached with padding copies of the last one, see ``_MIN_ROWS``).
+    fewer than 12 sequences are cached with padding copies of the last one, see ``_MIN_ROWS``, except
+    under ``batch_invariant``).
     ``layers[i]`` is a dict: KDA ``{"state", "window"}``; DSA ``{"latent"}`` (+ ``{"ik", "igate",
     "pool", "pool_scale"}`` with an own indexer)."""
 
@@ -142,7 +144,7 @@ class ServingDecoder:
             raise ValueError(f"ServingDecoder.prefill: prompts must be int64 [n, L>=1], got "
                              f"{prompts.dtype} {tuple(prompts.shape)}")
         num_seqs = prompts.shape[0]
-        prompts = _pad_rows(prompts)
+        prompts = _pad_rows(prompts, self.precision.batch_invariant)
         n, L = prompts.shape
         cu = torch.arange(n + 1, dtype=torch.int64, device=prompts.device) * L
         streams = self._embed(prompts.reshape(-1))
@@ -162,7 +164,7 @@ class ServingDecoder:
         if tokens.dtype != torch.int64 or tuple(tokens.shape) != (cache.num_seqs,):
             raise ValueError(f"ServingDecoder.step: tokens must be int64 [{cache.num_seqs}], got "
                              f"{tokens.dtype} {tuple(tokens.shape)}")
-        tokens = _pad_rows(tokens)
+        tokens = _pad_rows(tokens, self.precision.batch_invariant)
         n, t = tokens.shape[0], cache.length + 1  # n: rows incl. padding; t: length after appending
         streams = self._embed(tokens)
         ids = None
@@ -264,8 +266,10 @@ class ServingDecoder:
         return linear(attn.o_proj, out.reshape(T, -1), prec), ids, cache
 
     def _project(self, idx, x):
-        return kpool_project(x, idx.wk.weight, idx.k_norm.weight, idx.k_norm.bias, idx.weights_proj.weight,
-                             idx.index_kpool_compress_gate, eps=INDEXER_EPS, head_proj=self.precision.head_proj)
+        """ops.kpool_indexer's key projections ``(k, gate, w)`` (batch-invariant under batch_invariant)."""
+        project = kpool_project_batch_invariant if self.precision.batch_invariant else kpool_project
+        return project(x, idx.wk.weight, idx.k_norm.weight, idx.k_norm.bias, idx.weights_proj.weight,
+                       idx.index_kpool_compress_gate, eps=INDEXER_EPS, head_proj=self.precision.head_proj)
 
     def _compress(self, k, gate, idx, pool_token):
         """kpool_compress as ops.kpool_indexer calls it under the serving precision."""
@@ -282,6 +286,7 @@ class ServingDecoder:
         prec = self.precision
         P, dev = idx.pool, x.device
         ik, igate, w = self._project(idx, x)
+        q = indexer_query(q_resid, idx.wq_b.weight, batch_invariant=prec.batch_invariant)
         cache["ik"].append(ik)
         cache["igate"].append(igate)
         if t % P == 0:  # the new token completes pool t/P - 1 of every sequence
@@ -291,9 +296,6 @@ class ServingDecoder:
             pool, scale = self._compress(last_k, last_g, idx, token0)
             cache["pool"].append(pool)
             cache["pool_scale"].append(scale)
-        H = idx.weights_proj.weight.shape[0]
-        with torch.autocast(device_type=dev.type, enabled=False):
-            q = F.linear(q_resid, idx.wq_b.weight).view(n, H, -1)
         if prec.kpool == "bf16":
             q = q.to(torch.bfloat16)
         else:
@@ -304,10 +306,11 @@ class ServingDecoder:
             pools, scales = pools.new_zeros(1, pools.shape[-1]), scales.new_zeros(1)
         else:
             pools, scales = pools.reshape(n * S, pools.shape[-1]), scales.reshape(n * S)
-        logits = kpool_logits(q, w, pools, scales, precision=prec.kpool, layout=prec.mqa_layout)
         seq = torch.arange(n, dtype=torch.int64, device=dev)
         q_n = torch.full((n,), S, dtype=torch.int64, device=dev)
         tail_start = seq * t + P * q_n
-        ids = kpool_select(logits, seq * S, q_n, tail_start, t - P * q_n, topk=idx.topk, pool_size=P,
-                           tail="compact" if idx.select_tail else "fixed")
+        ids = indexer_score_select(q, w, pools, scales, seq * S, q_n, tail_start, t - P * q_n, kpool=prec.kpool,
+                                   layout=prec.mqa_layout, budget_mb=prec.logits_budget_mb, topk=idx.topk,
+                                   pool_size=P, tail="compact" if idx.select_tail else "fixed",
+                                   batch_invariant=prec.batch_invariant)
         return ids if idx.select_tail else ids[:, : idx.topk]

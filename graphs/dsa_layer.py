@@ -54,7 +54,7 @@ class Indexer(nn.Module):
                   self.index_kpool_compress_gate, self.index_kpool_compress_ape)
         options = dict(topk=self.topk, pool_size=self.pool, kpool=prec.kpool, kpool_pooling=prec.kpool_pooling,
                        head_proj=prec.head_proj, mqa_layout=prec.mqa_layout, logits_budget_mb=prec.logits_budget_mb,
-                       tail="compact" if self.select_tail else "fixed")
+                       tail="compact" if self.select_tail else "fixed", batch_invariant=prec.batch_invariant)
         if cp is None:
             ids = ops.kpool_indexer(x, q_resid, *params, cu_seqlens, **options)
         else:

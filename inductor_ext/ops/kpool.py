@@ -23,15 +23,22 @@ from inductor_ext.config import KPOOL_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
 from inductor_ext.ops import kpool_reference as ref
 from inductor_ext.ops._checks import check_cu_seqlens_values, eager
+from inductor_ext.ops.batch_invariant import bi_linear
+from inductor_ext.ops.ordered import ordered_sum
 
 __all__ = [
     "kpool_project",
+    "kpool_project_batch_invariant",
     "kpool_layout",
     "kpool_compress",
     "kpool_quant_query",
     "kpool_logits",
+    "kpool_logits_batch_invariant",
     "kpool_select",
     "kpool_indexer",
+    "indexer_project",
+    "indexer_query",
+    "indexer_score_select",
     "indexer_precision",
     "validate_cu_seqlens",
     "INDEXER_EPS",
@@ -193,10 +200,40 @@ def kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate
     Returns:
         ``(k [T,D], gate [T,D])`` in x's dtype and ``w [T,H]`` fp32. Autocast is off inside.
     """
+    head_proj = _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj)
+    out = torch.ops.glm53.kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
+                                        float(eps), head_proj)
+    return out[0], out[1], out[2]
+
+
+def kpool_project_batch_invariant(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *,
+                                  eps=INDEXER_EPS, head_proj=None):
+    """:func:`kpool_project` (same arguments, results and rounding points) with its three linears
+    batch-invariant ``glm53::bi_linear`` products (FP32 accumulation in fixed K blocks, one
+    rounding), so each row is bitwise independent of the other rows of the call; the LayerNorm is
+    per row. ``PrecisionConfig.batch_invariant``'s indexer (``docs/DESIGN.md`` §9)."""
+    head_proj = _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj)
+    H = weights_proj.shape[0]
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        kp = bi_linear(x, wk)
+        if head_proj == "fp32":
+            k = torch.nn.functional.layer_norm(kp.float(), (kp.shape[-1],), k_norm_weight.float(),
+                                               k_norm_bias.float(), eps).to(x.dtype)
+            w = bi_linear(x.float(), weights_proj.float()) * H**-0.5
+        else:
+            k = torch.nn.functional.layer_norm(kp, (kp.shape[-1],), k_norm_weight.to(kp.dtype),
+                                               k_norm_bias.to(kp.dtype), eps)
+            w = bi_linear(x, weights_proj).float() * H**-0.5
+        gate = bi_linear(x, compress_gate)
+    return k, gate, w
+
+
+def _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj) -> str:
+    """The projection's input rules; returns ``head_proj`` (``None`` → the active config's)."""
     head_proj = active_config().head_proj if head_proj is None else head_proj
     _choice("head_proj", head_proj, HEAD_PROJ)
     _tensor("x", x, dims=2, dtypes=_FLOATS)
-    T, hidden = x.shape
+    hidden = x.shape[1]
     _tensor("wk", wk, dims=2, dtypes=(x.dtype,))
     D = wk.shape[0]
     if D != ref.HEAD_DIM:
@@ -210,9 +247,7 @@ def kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate
     _tensor("k_norm_bias", k_norm_bias, dtypes=_FLOATS, shape=(D,))
     _same_device(x=x, wk=wk, compress_gate=compress_gate, weights_proj=weights_proj,
                  k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias)
-    out = torch.ops.glm53.kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
-                                        float(eps), head_proj)
-    return out[0], out[1], out[2]
+    return head_proj
 
 
 def kpool_layout(cu_seqlens, num_tokens: int, pool_size: int):
@@ -294,8 +329,33 @@ def kpool_logits(q, w, pool, pool_scale, *, precision, layout="compact"):
         FP32 ``[M, S]``, a view with row stride ``workspace.mqa_logits_stride(S, layout)`` of one
         storage of ``workspace.mqa_logits_bytes(M, S, H, layout)`` bytes. Not causally masked.
     """
-    _choice("precision", precision, PRECISIONS)
     _choice("layout", layout, workspace.LAYOUTS)
+    _check_logits(q, w, pool, pool_scale, precision)
+    return torch.ops.glm53.kpool_logits(q, w, pool, pool_scale, precision, layout)
+
+
+def kpool_logits_batch_invariant(q, w, pool, pool_scale, *, precision):
+    """:func:`kpool_logits`' scores (same arguments but ``layout``) with batch-invariant arithmetic,
+    ``PrecisionConfig.batch_invariant``'s scorer: ``q·pool`` per (row, head, pool) as one
+    ``glm53::bi_linear`` of BF16 operands (FP8 values are exact in BF16; exact products, FP32
+    accumulation in fixed K blocks), ``relu`` (after ``·128^-0.5`` for ``"bf16"``), the head sum
+    as an ordered chain (:func:`~inductor_ext.ops.ordered.ordered_sum`), then ``·pool_scale`` for
+    ``"fp8"``. Returns contiguous FP32 ``[M, S]``; each element depends only on its row of q and w
+    and its pool, never on M or S. Within FP32 rounding of the reference (another summation order)."""
+    _check_logits(q, w, pool, pool_scale, precision)
+    M, H, D = q.shape
+    if pool.shape[0] == 0:  # no complete pool (a document shorter than P)
+        return torch.zeros(M, 0, dtype=torch.float32, device=q.device)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        s = bi_linear(q.reshape(M * H, D).to(torch.bfloat16), pool.to(torch.bfloat16), out_dtype=torch.float32)
+        s = s.view(M, H, pool.shape[0])
+        s = torch.relu(s * ref.HEAD_DIM**-0.5) if precision == "bf16" else torch.relu(s)
+        out = ordered_sum(w[:, :, None] * s, dim=1)
+        return out if precision == "bf16" else out * pool_scale[None, :]
+
+
+def _check_logits(q, w, pool, pool_scale, precision) -> None:
+    _choice("precision", precision, PRECISIONS)
     qdtype = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
     _tensor("q", q, dims=3, dtypes=(qdtype,))
     M, H, D = q.shape
@@ -308,7 +368,6 @@ def kpool_logits(q, w, pool, pool_scale, *, precision, layout="compact"):
         raise ValueError(f"kpool: pool must be [S, {D}], got {tuple(pool.shape)}")
     _tensor("pool_scale", pool_scale, dtypes=(torch.float32,), shape=pool.shape[:1])
     _same_device(q=q, w=w, pool=pool, pool_scale=pool_scale)
-    return torch.ops.glm53.kpool_logits(q, w, pool, pool_scale, precision, layout)
 
 
 def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, tail="compact"):
@@ -350,6 +409,7 @@ def kpool_indexer(
     x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape,
     cu_seqlens=None, *, topk, pool_size=4, kpool=None, kpool_pooling=None, head_proj=None,
     mqa_layout=None, logits_budget_mb=None, scale_fmt=INDEXER_SCALE_FMT, tail="compact", eps=INDEXER_EPS,
+    batch_invariant=False,
 ):
     """The GLM-5.3 KPool indexer: selected token ids per query, one call for the DSA layer.
 
@@ -366,6 +426,10 @@ def kpool_indexer(
             config's value (read while tracing, so it is a constant of the graph).
         scale_fmt: FP8 scales, ``"ue8m0"`` (powers of two) or ``"fp32"``.
         tail: ``"compact"`` | ``"fixed"`` (see :func:`kpool_select`).
+        batch_invariant: projections by :func:`kpool_project_batch_invariant` and ``bi_linear``,
+            scores by :func:`kpool_logits_batch_invariant` (in row chunks whose ``[rows, H, S]``
+            FP32 products fit the budget), so a query's ids are bitwise the same whatever the
+            other documents of the pack (``PrecisionConfig.batch_invariant``).
 
     Returns:
         int32 ``[T, topk + P - 1]`` global token ids (see :func:`kpool_select`). Query rows are
@@ -405,10 +469,8 @@ def kpool_indexer(
     _same_device(x=x, q_resid=q_resid, wq_b=wq_b, compress_ape=compress_ape, cu_seqlens=cu_seqlens)
 
     with torch.no_grad():  # frozen indexer: integer outputs, no autograd graph
-        k, gate, w = kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
-                                   eps=eps, head_proj=head_proj)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            q = torch.nn.functional.linear(q_resid, wq_b).view(T, H, ref.HEAD_DIM)
+        k, gate, w, q = indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
+                                        compress_gate, eps=eps, head_proj=head_proj, batch_invariant=batch_invariant)
         pool_token, q_lo, q_n, tail_start, tail_len = kpool_layout(cu_seqlens, T, P)
         if kpool == "bf16":
             mode = "bf16_reference" if kpool_pooling == "reference" else "bf16_fp32"
@@ -418,10 +480,48 @@ def kpool_indexer(
         else:
             pool, pool_scale = kpool_compress(k, gate, compress_ape, pool_token, mode=f"fp8_{scale_fmt}")
             q, w = kpool_quant_query(q, w, scale_fmt=scale_fmt)
-        plan = workspace.LogitsPlan(T, T // P, H, layout, budget_mb * 2**20)
-        parts = []
-        for s, e in plan.chunks:
+        return indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
+                                    layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
+                                    batch_invariant=batch_invariant)
+
+
+def indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps,
+                    head_proj, batch_invariant):
+    """The indexer's projections, ``(k, gate, w, q [T, H, 128])``: :func:`kpool_project` (or
+    :func:`kpool_project_batch_invariant`) and the query ``q_resid · wq_bᵀ`` (``bi_linear`` when
+    ``batch_invariant``) in q_resid's dtype, autocast off. Shared by :func:`kpool_indexer`, its
+    context-parallel form and the serving decoder."""
+    project = kpool_project_batch_invariant if batch_invariant else kpool_project
+    k, gate, w = project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps=eps, head_proj=head_proj)
+    return k, gate, w, indexer_query(q_resid, wq_b, batch_invariant=batch_invariant)
+
+
+def indexer_query(q_resid, wq_b, *, batch_invariant):
+    """The indexer's query ``q_resid · wq_bᵀ`` as ``[T, H, 128]`` in q_resid's dtype, autocast off
+    (``bi_linear`` when ``batch_invariant``)."""
+    with torch.autocast(device_type=q_resid.device.type, enabled=False):
+        q = (bi_linear if batch_invariant else torch.nn.functional.linear)(q_resid, wq_b)
+    return q.view(q_resid.shape[0], -1, ref.HEAD_DIM)
+
+
+def indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, *, kpool, layout, budget_mb,
+                         topk, pool_size, tail, batch_invariant):
+    """Scores (:func:`kpool_logits`, or :func:`kpool_logits_batch_invariant`) and selection
+    (:func:`kpool_select`) of the query rows ``q [M, H, 128]`` against ``pool [S, 128]``, in row
+    chunks whose scoring memory fits ``budget_mb`` MiB (the logits workspace; ``[rows, H, S]`` FP32
+    products when ``batch_invariant``). Returns int32 ``[M, topk + P - 1]``."""
+    M, H, S = q.shape[0], q.shape[1], pool.shape[0]
+    if batch_invariant:
+        rows = max(1, budget_mb * 2**20 // (4 * H * max(1, S)))
+        chunks = [(s, min(M, s + rows)) for s in range(0, M, rows)]
+    else:
+        chunks = workspace.LogitsPlan(M, S, H, layout, budget_mb * 2**20).chunks
+    parts = []
+    for s, e in chunks:
+        if batch_invariant:
+            logits = kpool_logits_batch_invariant(q[s:e], w[s:e], pool, pool_scale, precision=kpool)
+        else:
             logits = kpool_logits(q[s:e], w[s:e], pool, pool_scale, precision=kpool, layout=layout)
-            parts.append(kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
-                                      topk=topk, pool_size=P, tail=tail))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        parts.append(kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
+                                  topk=topk, pool_size=pool_size, tail=tail))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext import workspace
 from inductor_ext.ops import kpool as _kpool
-from inductor_ext.ops import kpool_reference as _ref
 from inductor_ext.parallel.context import CPContext
 
 __all__ = ["gather_indexer_keys", "local_query_layout", "kpool_indexer_cp"]
@@ -58,7 +56,7 @@ def local_query_layout(cp: CPContext, pool_size: int):
 def kpool_indexer_cp(
     x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape, cp: CPContext,
     *, topk, pool_size=4, kpool=None, kpool_pooling=None, head_proj=None, mqa_layout=None, logits_budget_mb=None,
-    scale_fmt=_kpool.INDEXER_SCALE_FMT, tail="compact", eps=_kpool.INDEXER_EPS,
+    scale_fmt=_kpool.INDEXER_SCALE_FMT, tail="compact", eps=_kpool.INDEXER_EPS, batch_invariant=False,
 ):
     """:func:`inductor_ext.ops.kpool_indexer` for the local tokens of a context-parallel batch.
 
@@ -69,7 +67,7 @@ def kpool_indexer_cp(
         cp: the batch's :class:`CPContext` (replaces ``cu_seqlens``: the global offsets are
             ``cp.cu_seqlens``).
         topk, pool_size, kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb, scale_fmt,
-            tail, eps: as :func:`~inductor_ext.ops.kpool_indexer` (``None``: the active config);
+            tail, eps, batch_invariant: as :func:`~inductor_ext.ops.kpool_indexer` (``None``: the active config);
             ``kpool`` is ``"bf16"`` or ``"fp8"`` (``PrecisionConfig.kpool``).
 
     Returns:
@@ -89,13 +87,10 @@ def kpool_indexer_cp(
     if x.dim() != 2 or x.shape[0] != cp.local_tokens or q_resid.shape[0] != cp.local_tokens:
         raise ValueError(f"kpool_indexer_cp: x and q_resid must hold the T_local={cp.local_tokens} local tokens, "
                          f"got {tuple(x.shape)} and {tuple(q_resid.shape)}")
-    Tl, T = cp.local_tokens, cp.num_tokens
-    H = weights_proj.shape[0]
     with torch.no_grad():
-        k, gate, w = _kpool.kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
-                                          eps=eps, head_proj=head_proj)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            q = torch.nn.functional.linear(q_resid, wq_b).view(Tl, H, _ref.HEAD_DIM)
+        k, gate, w, q = _kpool.indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
+                                               compress_gate, eps=eps, head_proj=head_proj,
+                                               batch_invariant=batch_invariant)
         k, gate = gather_indexer_keys(k, gate, cp)
         pool_token, q_lo, q_n, tail_start, tail_len = local_query_layout(cp, P)
         if kpool == "bf16":
@@ -105,10 +100,6 @@ def kpool_indexer_cp(
         else:
             pool, pool_scale = _kpool.kpool_compress(k, gate, compress_ape, pool_token, mode=f"fp8_{scale_fmt}")
             q, w = _kpool.kpool_quant_query(q, w, scale_fmt=scale_fmt)
-        plan = workspace.LogitsPlan(Tl, T // P, H, layout, budget_mb * 2**20)
-        parts = []
-        for s, e in plan.chunks:
-            logits = _kpool.kpool_logits(q[s:e], w[s:e], pool, pool_scale, precision=kpool, layout=layout)
-            parts.append(_kpool.kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
-                                             topk=topk, pool_size=P, tail=tail))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+        return _kpool.indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
+                                           layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
+                                           batch_invariant=batch_invariant)

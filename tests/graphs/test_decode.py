@@ -22,6 +22,9 @@ PRECISIONS = {
     "mhc_post_bf16": SERVING_PRECISION.replace(mhc_post="bf16"),  # a mis-aligned serving engine
     # BF16 indexer pools / reference pooling branch (serving caches the latent: MLA absorbed)
     "reference": PrecisionConfig.reference().replace(mla="absorbed"),
+    # no row padding (graphs.decode._MIN_ROWS) for 3 sequences: every linear, the indexer included, is invariant
+    "batch_invariant": SERVING_PRECISION.replace(batch_invariant=True),
+    "batch_invariant_bf16_indexer": PrecisionConfig.reference().replace(mla="absorbed", batch_invariant=True),
 }
 
 
