@@ -224,7 +224,7 @@ class ServingDecoder:
 
     def _kda_replay(self, attn, x, qkv, window, n, t, cu, cache):
         """batch_invariant: the chunk form replayed (graphs.kda_replay); cache ``{"window", "state"
-        (FP32, at the last chunk boundary), "open_x", "open_qkv"}``."""
+        (FP32, at the last chunk boundary), "open_qkv", "open_g", "open_beta"}``."""
         if cu is not None:
             out, cache = replay_prefill(attn, x, qkv, n, t, self.precision)
         else:

@@ -148,11 +148,22 @@ class LinearAttention(nn.Module):
         ``cp``: local tokens of a context-parallel batch, KDA through
         :func:`~inductor_ext.parallel.kda_chunk_cp` (the state is then per local segment
         ``[M, H, K, K]``; :func:`~inductor_ext.parallel.collect_document_states` orders them by
-        document)."""
-        T = x.shape[0]
+        document). The three stages are :meth:`gates`, :meth:`core` and :meth:`output`."""
+        g, beta = self.gates(x, prec)
+        o, state = self.core(qkv, g, beta, cu_seqlens, prec, serving, initial_state=initial_state, cp=cp)
+        return self.output(x, o, prec), state
+
+    def gates(self, x: torch.Tensor, prec: PrecisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token decay ``g [T, H, K]`` FP32 and write strength ``beta [T, H]`` of ``x``."""
+        return self.forget_gate(x, prec), torch.sigmoid(linear(self.b_proj, x, prec))
+
+    def core(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor | None,
+             prec: PrecisionConfig, serving: bool, initial_state: torch.Tensor | None = None,
+             cp: CPContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """KDA of the conv output with the gates (see :meth:`mix`) → (``o [T, H, K]``, final state)."""
+        T = qkv.shape[0]
         q, k, v = (t.reshape(1, T, self.num_heads, self.head_dim) for t in qkv.chunk(3, dim=-1))
-        g = self.forget_gate(x, prec).unsqueeze(0)
-        beta = torch.sigmoid(linear(self.b_proj, x, prec)).unsqueeze(0)
+        g, beta = g.unsqueeze(0), beta.unsqueeze(0)
         if cp is not None:
             if serving or initial_state is not None:
                 raise NotImplementedError("LinearAttention.mix: cp supports the training path from zero states only")
@@ -164,6 +175,10 @@ class LinearAttention(nn.Module):
             kda = "fp32_exact" if prec.batch_invariant and prec.kda == "fp32" else prec.kda
             o, state = ops.kda_chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                      precision=kda)
+        return o[0], state
+
+    def output(self, x: torch.Tensor, o: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
+        """The output gate of ``x``, gated RMSNorm of the KDA output ``o [T, H, K]``, o_proj → ``[T, hidden]``."""
+        T = x.shape[0]
         gate = linear(self.g_b_proj, linear(self.g_a_proj, x, prec), prec).view(T, self.num_heads, self.head_dim)
-        o = self.o_norm(o[0], gate, prec).reshape(T, -1)
-        return linear(self.o_proj, o, prec), state
+        return linear(self.o_proj, self.o_norm(o, gate, prec).reshape(T, -1), prec)

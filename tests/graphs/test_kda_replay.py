@@ -102,7 +102,7 @@ def _replay(attn, x, qkv, n, prompt, prec, h0):
     for t in range(prompt + 1, T + 1):
         o, cache = replay_step(attn, xs[:, t - 1], qs[:, t - 1], t, cache, prec)
         rows.append(o[:, None])
-    assert cache["open_x"].shape[1] == CHUNK  # the cache never grows past one chunk
+    assert cache["open_qkv"].shape[1] == CHUNK  # the cache never grows past one chunk
     return torch.cat(rows, dim=1)
 
 
@@ -154,7 +154,7 @@ def test_decoder_kda_replay_bitwise_training_layer(kda):
         for t in range(prompt + 1, T + 1):
             o, cache = dec._kda(attn, xs[:, t - 1], n, t, None, cache)
             rows.append(o[:, None])
-    assert set(cache) == {"window", "state", "open_x", "open_qkv"}
+    assert set(cache) == {"window", "state", "open_qkv", "open_g", "open_beta"}
     assert _mismatched(torch.cat(rows, dim=1), full) == []
 
 
