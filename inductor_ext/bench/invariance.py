@@ -3,7 +3,8 @@
 In one process, under ``serving_aligned()`` and under the same config with ``batch_invariant=True``:
 
 - the ``h200`` KDA and DSA decoder layers, forward and forward + backward, compiled and replayed
-  as CUDA graphs (:func:`inductor_ext.bench.layer.bench_layer`: its rows, p50 / max per replay);
+  as CUDA graphs (:func:`inductor_ext.bench.layer.bench_layer` with ``timing_only``: its rows,
+  p50 / max per replay; ``bench layer`` is where the compiled layers are checked against eager);
 - one serving decode step of the ``h200_stack`` model (:func:`inductor_ext.report.mismatch.build_model`;
   ``decode_seqs`` sequences after a ``decode_prompt``-token prefill, eager as the decoder runs:
   CUDA events around each :meth:`graphs.decode.ServingDecoder.step`, ``decode_steps`` steps after
@@ -36,7 +37,8 @@ def bench_invariance(tokens: int = 8192, samples: int = 20, progress=None, *, de
                         ("decode_steps", decode_steps)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"bench invariance: {name} must be an int >= 1, got {value!r}")
-    layers = {name: layer_bench.bench_layer(tokens, samples=samples, progress=progress, precision=name)
+    layers = {name: layer_bench.bench_layer(tokens, samples=samples, progress=progress, precision=name,
+                                            timing_only=True)
               for name in CONFIG_NAMES}
     decode = {}
     with Progress(progress, total=len(CONFIG_NAMES), desc="bench invariance: decode") as prog:

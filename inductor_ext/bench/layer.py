@@ -90,11 +90,12 @@ class _Setup:
     warmup: int = 3
     captures: tuple[str, ...] | None = None  # capture methods tried in order (None: by device and mode)
     catch: bool = True  # record a failing variant's error in its row and go on (False: raise)
+    timing_only: bool = False  # no eager reference, no sensitivity, no warm compile (a price, not a check)
 
 
 def bench_layer(tokens: int = 8192, kinds=KINDS, samples: int = 20, progress=None, *,
                 attn_impl: str = "flex", precision: str = "serving_aligned",
-                on_partial: Callable[[dict], object] | None = None) -> dict:
+                on_partial: Callable[[dict], object] | None = None, timing_only: bool = False) -> dict:
     """Compile, capture, time and check the ``h200`` KDA and DSA decoder layers (see the module
     docstring). ``progress``: a callable taking one message per step (and a tqdm bar on stderr
     when tqdm is installed). ``attn_impl``: the DSA layer's sparse attention, ``"flex"``
@@ -102,7 +103,8 @@ def bench_layer(tokens: int = 8192, kinds=KINDS, samples: int = 20, progress=Non
     ``precision``: the :class:`PrecisionConfig` preset, ``"serving_aligned"``, ``"reference"`` or
     ``"batch_invariant"`` (serving_aligned with ``batch_invariant=True``; :data:`CONFIGS`).
     ``on_partial``: called with the result so far after each kind (a run cut short keeps what
-    finished).
+    finished). ``timing_only``: compile, capture and time only (no eager reference, sensitivity or
+    warm compile: ``equals_eager`` and ``warm_compile_s`` are None), for a price in less time.
 
     Returns ``{"device", "torch", "triton", "fla", "tokens", "samples", "precision", "method",
     "rows": [...]}``, one row per (kind, variant). Raises ``ValueError`` without CUDA or on bad
@@ -110,7 +112,8 @@ def bench_layer(tokens: int = 8192, kinds=KINDS, samples: int = 20, progress=Non
     """
     if not torch.cuda.is_available():
         raise ValueError("bench layer needs a CUDA device")
-    return _bench(tokens, tuple(kinds), samples, progress, _Setup(attn_impl=attn_impl), precision, on_partial)
+    return _bench(tokens, tuple(kinds), samples, progress, _Setup(attn_impl=attn_impl, timing_only=timing_only),
+                  precision, on_partial)
 
 
 def _check_args(tokens, kinds, samples, setup: _Setup, precision: str) -> None:
@@ -275,10 +278,13 @@ def _compiled_variant(layer, x, x_check, cu, params, variant, setup, samples, ca
         x = x.clone()  # the captured graph's static input
     prog.step(f"{label}: cold compile")
     _reset_peak(setup)
-    cold_s, cold, _, first = _first_call(layer, x, cu, params, variant, setup, capture)
+    cold_s, cold, _cold_step, first = _first_call(layer, x, cu, params, variant, setup, capture)
     peak_first = _peak_gib(setup)
-    prog.step(f"{label}: warm compile")
-    warm_s, warm, step, _ = _first_call(layer, x, cu, params, variant, setup, capture)
+    if setup.timing_only:
+        warm_s, warm, step = None, dict.fromkeys(cold, 0), _cold_step
+    else:
+        prog.step(f"{label}: warm compile")
+        warm_s, warm, step, _ = _first_call(layer, x, cu, params, variant, setup, capture)
     row = {"capture": capture, "cold_compile_s": cold_s, "warm_compile_s": warm_s,
            "graph_breaks": cold["graph_breaks"] + warm["graph_breaks"],
            "cudagraph_skips": cold["cudagraph_skips"] + warm["cudagraph_skips"],
@@ -329,14 +335,15 @@ def _variant(kind, variant, layer, x, x_check, cu, params, names, setup, samples
            "attn_impl": setup.attn_impl if kind == "dsa" else None, "precision": precision,
            "eager_attn_impl": (setup.eager_attn or setup.attn_impl) if kind == "dsa" else None,
            "cudagraph_or_error": _HAS_OR_ERROR, "error": None}
-    prog.step(f"{label}: eager reference")
     ref = None
-    try:
-        ref = _eager(layer, x_check, cu, params, variant, setup)
-        row["eager_peak_gib"] = ref.pop("peak_gib")
-    except Exception as exc:  # noqa: BLE001  (e.g. out of memory: the compiled figures still count)
-        row["eager_error"] = _error(exc, setup)
-    _free(setup)  # outside the handlers: a live traceback would keep the failed step's tensors
+    if not setup.timing_only:
+        prog.step(f"{label}: eager reference")
+        try:
+            ref = _eager(layer, x_check, cu, params, variant, setup)
+            row["eager_peak_gib"] = ref.pop("peak_gib")
+        except Exception as exc:  # noqa: BLE001  (e.g. out of memory: the compiled figures still count)
+            row["eager_error"] = _error(exc, setup)
+        _free(setup)  # outside the handlers: a live traceback would keep the failed step's tensors
     if ref is not None:
         prog.step(f"{label}: eager sensitivity (one-ulp input nudge)")
         key = "out" if variant == "fwd" else "dx"
@@ -383,7 +390,8 @@ def _bench(tokens, kinds, samples, progress, setup: _Setup, precision: str = "se
     _check_args(tokens, kinds, samples, setup, precision)
     inductor_ext.enable()
     rows = []
-    with Progress(progress, total=len(kinds) * (1 + 5 * len(VARIANTS)), desc="bench layer") as prog, \
+    steps = len(kinds) * (1 + (2 if setup.timing_only else 5) * len(VARIANTS))
+    with Progress(progress, total=steps, desc="bench layer") as prog, \
             inductor_ext.precision(CONFIGS[precision]):
         for kind in kinds:
             prog.step(f"{kind}: build the {setup.preset} layer")
@@ -423,6 +431,10 @@ def _equals(r: dict) -> str:
     if not r["equals_eager"]:
         return "NO"
     return "yes (sensitivity)" if r.get("equals_eager_by") == "sensitivity" else "yes"
+
+
+def _num(value) -> str:
+    return "–" if value is None else f"{value:.1f}"
 
 
 def format_layer(result: dict) -> str:
@@ -465,7 +477,7 @@ def format_layer(result: dict) -> str:
         note = "; ".join(notes).replace("|", "/")
         lines.append(
             f"| {kind} | {r['variant']} | {r['capture']} | {r['cudagraph_skips']} | {r['graph_breaks']} | "
-            f"{r['cold_compile_s']:.1f} | {r['warm_compile_s']:.1f} | {peaks} | "
+            f"{r['cold_compile_s']:.1f} | {_num(r['warm_compile_s'])} | {peaks} | "
             f"{r['p50_us'] / 1e3:.2f} / {r['max_us'] / 1e3:.2f} | {_equals(r)} | {diff} | {note} |")
     lines += ["", f"equals eager: a replay on a second input vs the eager layer on it; elementwise bound "
               f"|a−e| ≤ {ATOL_RMS:g}·rms(e) + {RTOL:g}·|e| (BF16, ~5 ulps), at most {MAX_OFF['kda']:g} of the "

@@ -65,6 +65,20 @@ def test_dry_run_tiny_aot_eager_both_kinds():
 
 
 @pytest.mark.slow
+def test_dry_run_timing_only_skips_the_checks():
+    messages = []
+    result = bl._bench(32, ("kda",), 2, messages.append,
+                       bl._Setup(device="cpu", preset="tiny", backend="aot_eager", mode=None, catch=False,
+                                 timing_only=True))
+    for r in result["rows"]:
+        assert r["error"] is None and r["p50_us"] > 0 and r["samples"] == 2
+        assert r["warm_compile_s"] is None and r["equals_eager"] is None and "eager_sensitivity" not in r
+        assert r["graphs_compiled"]["cold"] == 1 and r["replay_vs_first"]
+    assert not any("eager" in m or "warm compile" in m for m in messages), messages
+    assert "| kda | fwd | none | 0 | 0 |" in bl.format_layer(result) and "| – |" in bl.format_layer(result)
+
+
+@pytest.mark.slow
 def test_dry_run_falls_back_to_manual_capture(monkeypatch):
     """A reduce-overhead failure (here: raised where cudagraph trees would start a step) is kept in
     the row and the compiled callable is captured manually (a stand-in graph on CPU)."""
