@@ -3,7 +3,7 @@
 Contract: ``docs/DESIGN.md`` §4 "sparse_mla"; numerics and input rules:
 :mod:`inductor_ext.ops.sparse_mla_reference` (the CPU kernels, plain torch). CUDA kernels
 (:mod:`inductor_ext.kernels.sparse_mla`): the forward is TileLang's warp-specialised kernel where it
-supports the geometry (sm_90, H a multiple of 64, D = d_v <= 512, BF16) and the ``tilelang`` extra
+supports the geometry (sm_90, H a multiple of 64, D = d_v ∈ {256, 512}, BF16) and the ``tilelang`` extra
 imports, else Triton (a missing tilelang is logged once); the backward is Triton. Without triton the
 plain-torch reference runs on CUDA too, logged once. Static output shapes and no host
 synchronisation in the ops, so a layer that calls them compiles into one graph and captures into a

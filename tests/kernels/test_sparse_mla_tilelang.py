@@ -33,11 +33,11 @@ def _meta(T=4, H=64, D=512, S=8, W=5, dtype=torch.bfloat16, ids=torch.int32):
 def test_supported_geometries():
     q, kv, ids = _meta()
     assert tlf.supports(q, kv, ids, 512, H200) and tlf.supports(*_meta(H=128, ids=torch.int64), 512, H200)
-    assert tlf.supports(*_meta(D=256), 256, H200) and tlf.supports(*_meta(D=128), 128, H200)
+    assert tlf.supports(*_meta(D=256), 256, H200) and not tlf.supports(*_meta(D=128), 128, H200)
     assert not tlf.supports(q, kv, ids, 512, (10, 0))  # sm_90a code only
     assert not tlf.supports(q, kv, ids, 448, H200)  # d_v < D
     assert not tlf.supports(*_meta(H=32), 512, H200) and not tlf.supports(*_meta(H=96), 512, H200)
-    assert not tlf.supports(*_meta(D=576), 576, H200) and not tlf.supports(*_meta(D=192), 192, H200)
+    assert not tlf.supports(*_meta(D=576), 576, H200) and not tlf.supports(*_meta(D=384), 384, H200)
     assert not tlf.supports(*_meta(dtype=torch.float16), 512, H200)
 
 

@@ -4,8 +4,8 @@
 Imports torch only; tilelang (the ``tilelang`` extra, 0.1.15) is imported when a kernel is first
 built, which compiles it for the geometry with nvcc (seconds; cached on disk by TileLang).
 
-Supported (:func:`supports`): an sm_90 device, ``H`` a multiple of 64, ``D = d_v`` a multiple of
-128 up to 512, BF16 q and kv, int32 or int64 ids (-1, or an id outside ``[0, S)``, is padding,
+Supported (:func:`supports`): an sm_90 device, ``H`` a multiple of 64, ``D = d_v`` of 256 or 512
+(the widths run on the H200), BF16 q and kv, int32 or int64 ids (-1, or an id outside ``[0, S)``, is padding,
 anywhere in a row). The op runs the Triton forward for every other geometry.
 
 Three warpgroups of 128 threads share the CTA:
@@ -50,7 +50,7 @@ def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: in
     """Whether this kernel runs the geometry on a device of compute ``capability``."""
     H, D = q.shape[1], q.shape[2]
     return (tuple(capability) == (9, 0) and q.dtype == kv.dtype == torch.bfloat16 and H % HEADS_PER_CTA == 0
-            and d_v == D and D % 128 == 0 and 128 <= D <= 512 and token_ids.dtype in (torch.int32, torch.int64))
+            and d_v == D and D in (256, 512) and token_ids.dtype in (torch.int32, torch.int64))
 
 
 @functools.cache
