@@ -52,14 +52,13 @@ from graphs.serving import ServingForward
 from inductor_ext.ops.kpool import (
     INDEXER_EPS,
     INDEXER_SCALE_FMT,
-    indexer_query,
-    indexer_score_select,
     kpool_compress,
     kpool_layout,
     kpool_project,
     kpool_project_batch_invariant,
     kpool_quant_query,
 )
+from inductor_ext.ops.kpool_pipeline import indexer_query, indexer_score_select
 
 __all__ = ["ServingDecoder", "DecodeCache"]
 

@@ -16,6 +16,7 @@ from inductor_ext.bench import timing
 from inductor_ext.bench.inputs import kpool_inputs, kpool_weights
 from inductor_ext.bench.progress import Progress
 from inductor_ext.ops import kpool as kp
+from inductor_ext.ops.kpool_pipeline import kpool_indexer
 
 __all__ = ["bench_kpool", "scaled_mm_tflops", "format_kpool", "kpool_targets"]
 
@@ -74,7 +75,7 @@ def _row(x, q_resid, cu, wt, tokens, H, prec, topk, samples, warmup, peak, prog)
         "compress": lambda: kp.kpool_compress(k, gate, wt["compress_ape"], layout[0], mode=mode),
         "score": lambda: kp.kpool_logits(q_s, w_s, pool, scale, precision=prec),
         "select": lambda: kp.kpool_select(logits, *layout[1:], topk=topk, pool_size=POOL),
-        "total": lambda: kp.kpool_indexer(x, q_resid, *wt.values(), cu, topk=topk, kpool=prec,
+        "total": lambda: kpool_indexer(x, q_resid, *wt.values(), cu, topk=topk, kpool=prec,
                                           kpool_pooling="reference", head_proj=head_proj,
                                           logits_budget_mb=1024),
     }

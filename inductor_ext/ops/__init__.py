@@ -26,13 +26,13 @@ from inductor_ext.ops.fp32_linear import fp32_linear
 from inductor_ext.ops.kda import kda_chunk, kda_recurrent
 from inductor_ext.ops.kpool import (
     kpool_compress,
-    kpool_indexer,
     kpool_layout,
     kpool_logits,
     kpool_project,
     kpool_quant_query,
     kpool_select,
 )
+from inductor_ext.ops.kpool_pipeline import kpool_indexer
 from inductor_ext.ops.layer_norm_fp32 import layer_norm_fp32
 from inductor_ext.ops.mhc import mhc_post, mhc_post_batch_invariant, mhc_pre, mhc_pre_batch_invariant
 from inductor_ext.ops.sparse_mla import sparse_mla

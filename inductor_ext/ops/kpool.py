@@ -1,6 +1,7 @@
 """KPool indexer ops (GLM-5.3 DSA indexer, no RoPE): ``glm53::kpool_project``,
 ``glm53::kpool_compress``, ``glm53::kpool_quant_query``, ``glm53::kpool_logits``,
-``glm53::kpool_select`` and the composite :func:`kpool_indexer` the DSA layer calls.
+``glm53::kpool_select``, their batch-invariant variants and the family's input checks; the
+composite indexer the DSA layer calls is :mod:`inductor_ext.ops.kpool_pipeline`.
 
 Contract: ``docs/DESIGN.md`` §4 "KPool indexer"; numerics: :mod:`inductor_ext.ops.kpool_reference`.
 Every op has a plain-torch kernel (the CPU kernel, and the CUDA one of ``kpool_project``); compress,
@@ -18,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from inductor_ext import backends, workspace
-from inductor_ext.config import KPOOL_POOLINGS as POOLINGS
 from inductor_ext.config import KPOOL_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
 from inductor_ext.ops import kpool_reference as ref
@@ -35,19 +35,19 @@ __all__ = [
     "kpool_logits",
     "kpool_logits_batch_invariant",
     "kpool_select",
-    "kpool_indexer",
-    "indexer_project",
-    "indexer_query",
-    "indexer_score_select",
-    "indexer_precision",
     "validate_cu_seqlens",
+    "check_choice",
+    "check_tensor",
+    "check_same_device",
+    "check_pool_geometry",
+    "FLOAT_DTYPES",
     "INDEXER_EPS",
     "INDEXER_SCALE_FMT",
 ]
 
 _T = torch.Tensor
 _DEVICES = ("cpu", "cuda")
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TAILS = ("compact", "fixed")
 INDEXER_EPS = 1e-6  # the indexer key LayerNorm's epsilon (GLM-5.3)
 INDEXER_SCALE_FMT = "ue8m0"  # the FP8 indexer's scale format (serving's)
@@ -131,12 +131,12 @@ _register_cuda(_kpool_select_op, "kpool_select", ref.select_reference, "kpool_se
 # ---------------------------------------------------------------------------------------------
 
 
-def _choice(name: str, value, allowed) -> None:
+def check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"kpool: {name} must be one of {allowed}, got {value!r}")
 
 
-def _tensor(name: str, t, *, dims: int | None = None, dtypes=None, shape=None) -> None:
+def check_tensor(name: str, t, *, dims: int | None = None, dtypes=None, shape=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"kpool: {name} must be a tensor, got {type(t).__name__}")
     if dims is not None and t.dim() != dims:
@@ -149,13 +149,13 @@ def _tensor(name: str, t, *, dims: int | None = None, dtypes=None, shape=None) -
         raise ValueError(f"kpool: {name} must be on cpu or cuda, got {t.device}")
 
 
-def _same_device(**tensors) -> None:
+def check_same_device(**tensors) -> None:
     devices = {t.device for t in tensors.values() if t is not None}
     if len(devices) > 1:
         raise ValueError(f"kpool: {sorted(tensors)} must be on one device, got {sorted(map(str, devices))}")
 
 
-def _pool_geometry(topk, pool_size) -> None:
+def check_pool_geometry(topk, pool_size) -> None:
     for name, v in (("topk", topk), ("pool_size", pool_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"kpool: {name} must be a positive int, got {v!r}")
@@ -164,7 +164,7 @@ def _pool_geometry(topk, pool_size) -> None:
 
 
 def _int64_rows(name: str, t, rows) -> None:
-    _tensor(name, t, dims=1, dtypes=(torch.int64,))
+    check_tensor(name, t, dims=1, dtypes=(torch.int64,))
     if t.shape[0] != rows:
         raise ValueError(f"kpool: {name} must have {rows} rows, got {t.shape[0]}")
 
@@ -172,7 +172,7 @@ def _int64_rows(name: str, t, rows) -> None:
 def validate_cu_seqlens(cu_seqlens, num_tokens: int) -> None:
     """``cu_seqlens`` must be int64 [N+1] (N >= 1); in eager mode also non-decreasing from 0 to T
     (a host-synchronising data check, skipped while tracing or capturing)."""
-    _tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=(torch.int64,))
+    check_tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=(torch.int64,))
     if cu_seqlens.shape[0] < 2:
         raise ValueError(f"kpool: cu_seqlens must hold N+1 >= 2 offsets, got {cu_seqlens.shape[0]}")
     if eager():
@@ -231,21 +231,21 @@ def kpool_project_batch_invariant(x, wk, k_norm_weight, k_norm_bias, weights_pro
 def _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj) -> str:
     """The projection's input rules; returns ``head_proj`` (``None`` → the active config's)."""
     head_proj = active_config().head_proj if head_proj is None else head_proj
-    _choice("head_proj", head_proj, HEAD_PROJ)
-    _tensor("x", x, dims=2, dtypes=_FLOATS)
+    check_choice("head_proj", head_proj, HEAD_PROJ)
+    check_tensor("x", x, dims=2, dtypes=FLOAT_DTYPES)
     hidden = x.shape[1]
-    _tensor("wk", wk, dims=2, dtypes=(x.dtype,))
+    check_tensor("wk", wk, dims=2, dtypes=(x.dtype,))
     D = wk.shape[0]
     if D != ref.HEAD_DIM:
         raise ValueError(f"kpool: index head dim must be {ref.HEAD_DIM}, got wk of shape {tuple(wk.shape)}")
-    _tensor("wk", wk, shape=(D, hidden))
-    _tensor("compress_gate", compress_gate, dtypes=(x.dtype,), shape=(D, hidden))
-    _tensor("weights_proj", weights_proj, dims=2, dtypes=(x.dtype,))
+    check_tensor("wk", wk, shape=(D, hidden))
+    check_tensor("compress_gate", compress_gate, dtypes=(x.dtype,), shape=(D, hidden))
+    check_tensor("weights_proj", weights_proj, dims=2, dtypes=(x.dtype,))
     if weights_proj.shape[1] != hidden:
         raise ValueError(f"kpool: weights_proj must be [H, {hidden}], got {tuple(weights_proj.shape)}")
-    _tensor("k_norm_weight", k_norm_weight, dtypes=_FLOATS, shape=(D,))
-    _tensor("k_norm_bias", k_norm_bias, dtypes=_FLOATS, shape=(D,))
-    _same_device(x=x, wk=wk, compress_gate=compress_gate, weights_proj=weights_proj,
+    check_tensor("k_norm_weight", k_norm_weight, dtypes=FLOAT_DTYPES, shape=(D,))
+    check_tensor("k_norm_bias", k_norm_bias, dtypes=FLOAT_DTYPES, shape=(D,))
+    check_same_device(x=x, wk=wk, compress_gate=compress_gate, weights_proj=weights_proj,
                  k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias)
     return head_proj
 
@@ -258,7 +258,7 @@ def kpool_layout(cu_seqlens, num_tokens: int, pool_size: int):
     S = T // P: pool p of a document covers its tokens P·p .. P·p+P-1; only complete pools exist;
     pool p is selectable at document position t iff p < (t+1)//P.
     """
-    _pool_geometry(pool_size, pool_size)
+    check_pool_geometry(pool_size, pool_size)
     validate_cu_seqlens(cu_seqlens, num_tokens)
     return ref.layout_reference(cu_seqlens, num_tokens, pool_size)
 
@@ -279,16 +279,16 @@ def kpool_compress(k, gate, ape, pool_token, *, mode):
         ``(pool [S,128], scale [S] fp32)``: pool bf16 (scale 1) or float8_e4m3fn; unused slots are
         zeros with scale 0.
     """
-    _choice("mode", mode, ref.COMPRESS_MODES)
-    _tensor("k", k, dims=2, dtypes=(torch.bfloat16,))
-    _tensor("gate", gate, dtypes=(torch.bfloat16,), shape=k.shape)
+    check_choice("mode", mode, ref.COMPRESS_MODES)
+    check_tensor("k", k, dims=2, dtypes=(torch.bfloat16,))
+    check_tensor("gate", gate, dtypes=(torch.bfloat16,), shape=k.shape)
     if k.shape[1] != ref.HEAD_DIM:
         raise ValueError(f"kpool: k must be [T, {ref.HEAD_DIM}], got {tuple(k.shape)}")
-    _tensor("ape", ape, dims=2, dtypes=_FLOATS)
+    check_tensor("ape", ape, dims=2, dtypes=FLOAT_DTYPES)
     if ape.shape[1] != ref.HEAD_DIM or ape.shape[0] < 1:
         raise ValueError(f"kpool: ape must be [P, {ref.HEAD_DIM}] with P >= 1, got {tuple(ape.shape)}")
-    _tensor("pool_token", pool_token, dims=1, dtypes=(torch.int64,))
-    _same_device(k=k, gate=gate, ape=ape, pool_token=pool_token)
+    check_tensor("pool_token", pool_token, dims=1, dtypes=(torch.int64,))
+    check_same_device(k=k, gate=gate, ape=ape, pool_token=pool_token)
     out = torch.ops.glm53.kpool_compress(k, gate, ape, pool_token, mode)
     return out[0], out[1]
 
@@ -301,12 +301,12 @@ def kpool_quant_query(q, w, *, scale_fmt=INDEXER_SCALE_FMT):
     Args: q ``[T, H, 128]`` bf16; w ``[T, H]`` fp32 head weights (already ×H^-0.5).
     Returns: ``(q8 [T,H,128] float8_e4m3fn, w_eff [T,H] fp32 = w·s·128^-0.5)``.
     """
-    _choice("scale_fmt", scale_fmt, ref.SCALE_FMTS)
-    _tensor("q", q, dims=3, dtypes=(torch.bfloat16,))
+    check_choice("scale_fmt", scale_fmt, ref.SCALE_FMTS)
+    check_tensor("q", q, dims=3, dtypes=(torch.bfloat16,))
     if q.shape[2] != ref.HEAD_DIM:
         raise ValueError(f"kpool: q must be [T, H, {ref.HEAD_DIM}], got {tuple(q.shape)}")
-    _tensor("w", w, dtypes=(torch.float32,), shape=q.shape[:2])
-    _same_device(q=q, w=w)
+    check_tensor("w", w, dtypes=(torch.float32,), shape=q.shape[:2])
+    check_same_device(q=q, w=w)
     out = torch.ops.glm53.kpool_quant_query(q, w, scale_fmt)
     return out[0], out[1]
 
@@ -329,7 +329,7 @@ def kpool_logits(q, w, pool, pool_scale, *, precision, layout="compact"):
         FP32 ``[M, S]``, a view with row stride ``workspace.mqa_logits_stride(S, layout)`` of one
         storage of ``workspace.mqa_logits_bytes(M, S, H, layout)`` bytes. Not causally masked.
     """
-    _choice("layout", layout, workspace.LAYOUTS)
+    check_choice("layout", layout, workspace.LAYOUTS)
     _check_logits(q, w, pool, pool_scale, precision)
     return torch.ops.glm53.kpool_logits(q, w, pool, pool_scale, precision, layout)
 
@@ -355,19 +355,19 @@ def kpool_logits_batch_invariant(q, w, pool, pool_scale, *, precision):
 
 
 def _check_logits(q, w, pool, pool_scale, precision) -> None:
-    _choice("precision", precision, PRECISIONS)
+    check_choice("precision", precision, PRECISIONS)
     qdtype = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
-    _tensor("q", q, dims=3, dtypes=(qdtype,))
+    check_tensor("q", q, dims=3, dtypes=(qdtype,))
     M, H, D = q.shape
     workspace.mqa_row_block(H)
     if D != ref.HEAD_DIM:
         raise ValueError(f"kpool: q must be [M, H, {ref.HEAD_DIM}], got {tuple(q.shape)}")
-    _tensor("w", w, dtypes=(torch.float32,), shape=(M, H))
-    _tensor("pool", pool, dims=2, dtypes=(qdtype,))
+    check_tensor("w", w, dtypes=(torch.float32,), shape=(M, H))
+    check_tensor("pool", pool, dims=2, dtypes=(qdtype,))
     if pool.shape[1] != D:
         raise ValueError(f"kpool: pool must be [S, {D}], got {tuple(pool.shape)}")
-    _tensor("pool_scale", pool_scale, dtypes=(torch.float32,), shape=pool.shape[:1])
-    _same_device(q=q, w=w, pool=pool, pool_scale=pool_scale)
+    check_tensor("pool_scale", pool_scale, dtypes=(torch.float32,), shape=pool.shape[:1])
+    check_same_device(q=q, w=w, pool=pool, pool_scale=pool_scale)
 
 
 def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, tail="compact"):
@@ -386,142 +386,11 @@ def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, ta
         order, the visible tail tokens, -1 padding. With ``tail="compact"`` a row is ascending
         ids, then -1.
     """
-    _choice("tail", tail, TAILS)
-    _pool_geometry(topk, pool_size)
-    _tensor("logits", logits, dims=2, dtypes=(torch.float32,))
+    check_choice("tail", tail, TAILS)
+    check_pool_geometry(topk, pool_size)
+    check_tensor("logits", logits, dims=2, dtypes=(torch.float32,))
     M = logits.shape[0]
     for name, t in (("q_lo", q_lo), ("q_n", q_n), ("tail_start", tail_start), ("tail_len", tail_len)):
         _int64_rows(name, t, M)
-    _same_device(logits=logits, q_lo=q_lo, q_n=q_n, tail_start=tail_start, tail_len=tail_len)
+    check_same_device(logits=logits, q_lo=q_lo, q_n=q_n, tail_start=tail_start, tail_len=tail_len)
     return torch.ops.glm53.kpool_select(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail)
-
-
-def indexer_precision(kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb) -> tuple:
-    """The indexer's precision arguments with each ``None`` taken from the active config (read while
-    tracing, so each is a constant of the graph), in the order given."""
-    cfg = active_config()
-    given = (kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
-    fields = (cfg.kpool, cfg.kpool_pooling, cfg.head_proj, cfg.mqa_layout, cfg.logits_budget_mb)
-    return tuple(f if g is None else g for g, f in zip(given, fields))
-
-
-def kpool_indexer(
-    x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape,
-    cu_seqlens=None, *, topk, pool_size=4, kpool=None, kpool_pooling=None, head_proj=None,
-    mqa_layout=None, logits_budget_mb=None, scale_fmt=INDEXER_SCALE_FMT, tail="compact", eps=INDEXER_EPS,
-    batch_invariant=False,
-):
-    """The GLM-5.3 KPool indexer: selected token ids per query, one call for the DSA layer.
-
-    Args:
-        x: hidden states ``[T, hidden]`` (model dtype, bf16 for the FP8 path); q_resid ``[T, Qr]``.
-        wq_b: ``[H·128, Qr]``; wk ``[128, hidden]``; k_norm_weight/bias ``[128]``;
-            weights_proj ``[H, hidden]``; compress_gate ``[128, hidden]``; compress_ape ``[P, 128]``
-            (parameter names of transformers ``Glm5NextTextIndexer``). H in 32, 64, 128.
-        cu_seqlens: int64 ``[N+1]`` packed document offsets (``None``: one document of T tokens).
-        topk: selected tokens per query (GLM-5.3: 2048), a multiple of P.
-        pool_size: tokens per pool P (model geometry, GLM-5.3: 4).
-        kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb: the
-            :class:`~inductor_ext.PrecisionConfig` fields as literals; ``None`` takes the active
-            config's value (read while tracing, so it is a constant of the graph).
-        scale_fmt: FP8 scales, ``"ue8m0"`` (powers of two) or ``"fp32"``.
-        tail: ``"compact"`` | ``"fixed"`` (see :func:`kpool_select`).
-        batch_invariant: projections by :func:`kpool_project_batch_invariant` and ``bi_linear``,
-            scores by :func:`kpool_logits_batch_invariant` (in row chunks whose ``[rows, H, S]``
-            FP32 products fit the budget), so a query's ids are bitwise the same whatever the
-            other documents of the pack (``PrecisionConfig.batch_invariant``).
-
-    Returns:
-        int32 ``[T, topk + P - 1]`` global token ids (see :func:`kpool_select`). Query rows are
-        scored in chunks of ``workspace.score_chunk_rows(T, T//P, H, mqa_layout, budget)`` rows so
-        one chunk's logits workspace fits ``logits_budget_mb`` MiB. No host synchronisation while
-        traced or captured (eager mode checks ``cu_seqlens`` values once). Runs under no_grad.
-        Pools are stored in BF16 (or FP8) whatever the model dtype: an FP32 model's k, gate and q
-        are rounded to BF16 before pooling and scoring.
-    """
-    P = pool_size
-    kpool, kpool_pooling, head_proj, layout, budget_mb = indexer_precision(
-        kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
-    _choice("kpool", kpool, PRECISIONS)
-    _choice("kpool_pooling", kpool_pooling, POOLINGS)
-    _choice("mqa_layout", layout, workspace.LAYOUTS)
-    _choice("scale_fmt", scale_fmt, ref.SCALE_FMTS)
-    _choice("tail", tail, TAILS)
-    _pool_geometry(topk, P)
-    if isinstance(budget_mb, bool) or not isinstance(budget_mb, int) or budget_mb <= 0:
-        raise ValueError(f"kpool: logits_budget_mb must be a positive int, got {budget_mb!r}")
-    _tensor("x", x, dims=2, dtypes=_FLOATS)
-    T = x.shape[0]
-    if T < 1:
-        raise ValueError("kpool: the indexer needs at least one token (T >= 1)")
-    if kpool == "fp8" and x.dtype != torch.bfloat16:
-        raise ValueError(f"kpool: the fp8 indexer takes bf16 hidden states, got {x.dtype}")
-    H = weights_proj.shape[0] if isinstance(weights_proj, torch.Tensor) else -1
-    workspace.mqa_row_block(H)
-    _tensor("q_resid", q_resid, dims=2, dtypes=(x.dtype,))
-    if q_resid.shape[0] != T:
-        raise ValueError(f"kpool: q_resid must have T={T} rows, got {tuple(q_resid.shape)}")
-    _tensor("wq_b", wq_b, dtypes=(x.dtype,), shape=(H * ref.HEAD_DIM, q_resid.shape[1]))
-    _tensor("compress_ape", compress_ape, dtypes=_FLOATS, shape=(P, ref.HEAD_DIM))
-    if cu_seqlens is None:
-        # built on the device (no host-to-device copy, so it is safe inside CUDA-graph capture)
-        cu_seqlens = torch.arange(2, dtype=torch.int64, device=x.device) * T
-    _same_device(x=x, q_resid=q_resid, wq_b=wq_b, compress_ape=compress_ape, cu_seqlens=cu_seqlens)
-
-    with torch.no_grad():  # frozen indexer: integer outputs, no autograd graph
-        k, gate, w, q = indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
-                                        compress_gate, eps=eps, head_proj=head_proj, batch_invariant=batch_invariant)
-        pool_token, q_lo, q_n, tail_start, tail_len = kpool_layout(cu_seqlens, T, P)
-        if kpool == "bf16":
-            mode = "bf16_reference" if kpool_pooling == "reference" else "bf16_fp32"
-            k, gate = k.to(torch.bfloat16), gate.to(torch.bfloat16)
-            q = q.to(torch.bfloat16)
-            pool, pool_scale = kpool_compress(k, gate, compress_ape, pool_token, mode=mode)
-        else:
-            pool, pool_scale = kpool_compress(k, gate, compress_ape, pool_token, mode=f"fp8_{scale_fmt}")
-            q, w = kpool_quant_query(q, w, scale_fmt=scale_fmt)
-        return indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
-                                    layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
-                                    batch_invariant=batch_invariant)
-
-
-def indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps,
-                    head_proj, batch_invariant):
-    """The indexer's projections, ``(k, gate, w, q [T, H, 128])``: :func:`kpool_project` (or
-    :func:`kpool_project_batch_invariant`) and the query ``q_resid · wq_bᵀ`` (``bi_linear`` when
-    ``batch_invariant``) in q_resid's dtype, autocast off. Shared by :func:`kpool_indexer`, its
-    context-parallel form and the serving decoder."""
-    project = kpool_project_batch_invariant if batch_invariant else kpool_project
-    k, gate, w = project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps=eps, head_proj=head_proj)
-    return k, gate, w, indexer_query(q_resid, wq_b, batch_invariant=batch_invariant)
-
-
-def indexer_query(q_resid, wq_b, *, batch_invariant):
-    """The indexer's query ``q_resid · wq_bᵀ`` as ``[T, H, 128]`` in q_resid's dtype, autocast off
-    (``bi_linear`` when ``batch_invariant``)."""
-    with torch.autocast(device_type=q_resid.device.type, enabled=False):
-        q = (bi_linear if batch_invariant else torch.nn.functional.linear)(q_resid, wq_b)
-    return q.view(q_resid.shape[0], -1, ref.HEAD_DIM)
-
-
-def indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, *, kpool, layout, budget_mb,
-                         topk, pool_size, tail, batch_invariant):
-    """Scores (:func:`kpool_logits`, or :func:`kpool_logits_batch_invariant`) and selection
-    (:func:`kpool_select`) of the query rows ``q [M, H, 128]`` against ``pool [S, 128]``, in row
-    chunks whose scoring memory fits ``budget_mb`` MiB (the logits workspace; ``[rows, H, S]`` FP32
-    products when ``batch_invariant``). Returns int32 ``[M, topk + P - 1]``."""
-    M, H, S = q.shape[0], q.shape[1], pool.shape[0]
-    if batch_invariant:
-        rows = max(1, budget_mb * 2**20 // (4 * H * max(1, S)))
-        chunks = [(s, min(M, s + rows)) for s in range(0, M, rows)]
-    else:
-        chunks = workspace.LogitsPlan(M, S, H, layout, budget_mb * 2**20).chunks
-    parts = []
-    for s, e in chunks:
-        if batch_invariant:
-            logits = kpool_logits_batch_invariant(q[s:e], w[s:e], pool, pool_scale, precision=kpool)
-        else:
-            logits = kpool_logits(q[s:e], w[s:e], pool, pool_scale, precision=kpool, layout=layout)
-        parts.append(kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
-                                  topk=topk, pool_size=pool_size, tail=tail))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)

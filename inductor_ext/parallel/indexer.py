@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from inductor_ext.ops import kpool as _kpool
+from inductor_ext.ops import kpool_pipeline as _pipeline
 from inductor_ext.parallel.context import CPContext
 
 __all__ = ["gather_indexer_keys", "local_query_layout", "kpool_indexer_cp"]
@@ -78,7 +79,7 @@ def kpool_indexer_cp(
     Collectives: one all-gather (:func:`gather_indexer_keys`). Runs under no_grad.
     """
     P = pool_size
-    kpool, kpool_pooling, head_proj, layout, budget_mb = _kpool.indexer_precision(
+    kpool, kpool_pooling, head_proj, layout, budget_mb = _pipeline.indexer_precision(
         kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
     if kpool not in _kpool.PRECISIONS:
         raise ValueError(f"kpool_indexer_cp: kpool must be one of {_kpool.PRECISIONS}, got {kpool!r}")
@@ -88,7 +89,7 @@ def kpool_indexer_cp(
         raise ValueError(f"kpool_indexer_cp: x and q_resid must hold the T_local={cp.local_tokens} local tokens, "
                          f"got {tuple(x.shape)} and {tuple(q_resid.shape)}")
     with torch.no_grad():
-        k, gate, w, q = _kpool.indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
+        k, gate, w, q = _pipeline.indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
                                                compress_gate, eps=eps, head_proj=head_proj,
                                                batch_invariant=batch_invariant)
         k, gate = gather_indexer_keys(k, gate, cp)
@@ -100,6 +101,6 @@ def kpool_indexer_cp(
         else:
             pool, pool_scale = _kpool.kpool_compress(k, gate, compress_ape, pool_token, mode=f"fp8_{scale_fmt}")
             q, w = _kpool.kpool_quant_query(q, w, scale_fmt=scale_fmt)
-        return _kpool.indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
+        return _pipeline.indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
                                            layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
                                            batch_invariant=batch_invariant)

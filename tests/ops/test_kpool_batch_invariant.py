@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inductor_ext import ops
-from inductor_ext.ops import kpool
+from inductor_ext.ops import kpool, kpool_pipeline
 from inductor_ext.ops import kpool_reference as ref
 from inductor_ext.ops.ordered import ordered_sum
 from tests.support.batch_invariant import assert_bitwise, check_batch_invariance, rel_l2
@@ -111,7 +111,7 @@ def test_batch_invariant_scores_in_budget_chunks():
     layout = [t[-M:] for t in ops.kpool_layout(torch.tensor([0, P * S]), P * S, P)[1:]]
 
     def select(budget_mb):
-        return kpool.indexer_score_select(q, w, pool, scale, *layout, kpool="bf16", layout="compact",
+        return kpool_pipeline.indexer_score_select(q, w, pool, scale, *layout, kpool="bf16", layout="compact",
                                           budget_mb=budget_mb, topk=64, pool_size=P, tail="compact",
                                           batch_invariant=True)
 
