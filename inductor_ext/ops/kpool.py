@@ -132,11 +132,13 @@ _register_cuda(_kpool_select_op, "kpool_select", ref.select_reference, "kpool_se
 
 
 def check_choice(name: str, value, allowed) -> None:
+    """``ValueError`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
         raise ValueError(f"kpool: {name} must be one of {allowed}, got {value!r}")
 
 
 def check_tensor(name: str, t, *, dims: int | None = None, dtypes=None, shape=None) -> None:
+    """``ValueError`` unless ``t`` is a cpu/cuda tensor with the given rank, shape and dtype (each optional)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"kpool: {name} must be a tensor, got {type(t).__name__}")
     if dims is not None and t.dim() != dims:
@@ -150,12 +152,14 @@ def check_tensor(name: str, t, *, dims: int | None = None, dtypes=None, shape=No
 
 
 def check_same_device(**tensors) -> None:
+    """``ValueError`` unless the given tensors (``None`` skipped) share one device."""
     devices = {t.device for t in tensors.values() if t is not None}
     if len(devices) > 1:
         raise ValueError(f"kpool: {sorted(tensors)} must be on one device, got {sorted(map(str, devices))}")
 
 
 def check_pool_geometry(topk, pool_size) -> None:
+    """``ValueError`` unless both are positive ints and ``pool_size`` divides ``topk``."""
     for name, v in (("topk", topk), ("pool_size", pool_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"kpool: {name} must be a positive int, got {v!r}")
