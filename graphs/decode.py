@@ -49,16 +49,14 @@ from graphs.kda_layer import LinearAttention, document_positions
 from graphs.kda_replay import replay_prefill, replay_step
 from graphs.modules import linear, stream_mean
 from graphs.serving import ServingForward
-from inductor_ext.ops.kpool import (
-    INDEXER_EPS,
-    INDEXER_SCALE_FMT,
-    kpool_compress,
-    kpool_layout,
-    kpool_project,
-    kpool_project_batch_invariant,
-    kpool_quant_query,
+from inductor_ext.ops.kpool import INDEXER_EPS, INDEXER_SCALE_FMT, kpool_layout
+from inductor_ext.ops.kpool_pipeline import (
+    indexer_keys,
+    indexer_pools,
+    indexer_query,
+    indexer_score_select,
+    indexer_scorer_query,
 )
-from inductor_ext.ops.kpool_pipeline import indexer_query, indexer_score_select
 
 __all__ = ["ServingDecoder", "DecodeCache"]
 
@@ -266,19 +264,15 @@ class ServingDecoder:
 
     def _project(self, idx, x):
         """ops.kpool_indexer's key projections ``(k, gate, w)`` (batch-invariant under batch_invariant)."""
-        project = kpool_project_batch_invariant if self.precision.batch_invariant else kpool_project
-        return project(x, idx.wk.weight, idx.k_norm.weight, idx.k_norm.bias, idx.weights_proj.weight,
-                       idx.index_kpool_compress_gate, eps=INDEXER_EPS, head_proj=self.precision.head_proj)
+        return indexer_keys(x, idx.wk.weight, idx.k_norm.weight, idx.k_norm.bias, idx.weights_proj.weight,
+                            idx.index_kpool_compress_gate, eps=INDEXER_EPS, head_proj=self.precision.head_proj,
+                            batch_invariant=self.precision.batch_invariant)
 
     def _compress(self, k, gate, idx, pool_token):
-        """kpool_compress as ops.kpool_indexer calls it under the serving precision."""
+        """The pools as ops.kpool_indexer builds them under the serving precision."""
         prec = self.precision
-        if prec.kpool == "bf16":
-            mode = "bf16_reference" if prec.kpool_pooling == "reference" else "bf16_fp32"
-            k, gate = k.to(torch.bfloat16), gate.to(torch.bfloat16)
-        else:
-            mode = f"fp8_{INDEXER_SCALE_FMT}"
-        return kpool_compress(k, gate, idx.index_kpool_compress_ape, pool_token, mode=mode)
+        return indexer_pools(k, gate, idx.index_kpool_compress_ape, pool_token, kpool=prec.kpool,
+                             kpool_pooling=prec.kpool_pooling, scale_fmt=INDEXER_SCALE_FMT)
 
     def _index_step(self, idx, x, q_resid, n, t, cache):
         """ops.kpool_indexer's row of the new token of each sequence (packed-prefix coordinates)."""
@@ -295,10 +289,7 @@ class ServingDecoder:
             pool, scale = self._compress(last_k, last_g, idx, token0)
             cache["pool"].append(pool)
             cache["pool_scale"].append(scale)
-        if prec.kpool == "bf16":
-            q = q.to(torch.bfloat16)
-        else:
-            q, w = kpool_quant_query(q, w, scale_fmt=INDEXER_SCALE_FMT)
+        q, w = indexer_scorer_query(q, w, kpool=prec.kpool, scale_fmt=INDEXER_SCALE_FMT)
         S = t // P
         pools, scales = cache["pool"].view(), cache["pool_scale"].view()
         if S == 0:  # no complete pool yet: one unused slot (score 0, never visible)

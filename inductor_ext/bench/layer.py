@@ -278,10 +278,10 @@ def _compiled_variant(layer, x, x_check, cu, params, variant, setup, samples, ca
         x = x.clone()  # the captured graph's static input
     prog.step(f"{label}: cold compile")
     _reset_peak(setup)
-    cold_s, cold, _cold_step, first = _first_call(layer, x, cu, params, variant, setup, capture)
+    cold_s, cold, cold_step, first = _first_call(layer, x, cu, params, variant, setup, capture)
     peak_first = _peak_gib(setup)
     if setup.timing_only:
-        warm_s, warm, step = None, dict.fromkeys(cold, 0), _cold_step
+        warm_s, warm, step = None, dict.fromkeys(cold, 0), cold_step
     else:
         prog.step(f"{label}: warm compile")
         warm_s, warm, step, _ = _first_call(layer, x, cu, params, variant, setup, capture)
@@ -472,8 +472,7 @@ def format_layer(result: dict) -> str:
             notes.append(f"reduce-overhead failed: {r['reduce_overhead_error'][:200]}")
         if not r.get("cudagraph_or_error", True):
             notes.append("cudagraph_or_error unavailable: skips counted only")
-        peaks = " / ".join("–" if r.get(k) is None else f"{r[k]:.1f}"
-                           for k in ("peak_step_gib", "peak_first_gib", "eager_peak_gib"))
+        peaks = " / ".join(_num(r.get(k)) for k in ("peak_step_gib", "peak_first_gib", "eager_peak_gib"))
         note = "; ".join(notes).replace("|", "/")
         lines.append(
             f"| {kind} | {r['variant']} | {r['capture']} | {r['cudagraph_skips']} | {r['graph_breaks']} | "

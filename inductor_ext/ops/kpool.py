@@ -217,19 +217,8 @@ def kpool_project_batch_invariant(x, wk, k_norm_weight, k_norm_bias, weights_pro
     rounding), so each row is bitwise independent of the other rows of the call; the LayerNorm is
     per row. ``PrecisionConfig.batch_invariant``'s indexer (``docs/DESIGN.md`` §9)."""
     head_proj = _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj)
-    H = weights_proj.shape[0]
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        kp = bi_linear(x, wk)
-        if head_proj == "fp32":
-            k = torch.nn.functional.layer_norm(kp.float(), (kp.shape[-1],), k_norm_weight.float(),
-                                               k_norm_bias.float(), eps).to(x.dtype)
-            w = bi_linear(x.float(), weights_proj.float()) * H**-0.5
-        else:
-            k = torch.nn.functional.layer_norm(kp, (kp.shape[-1],), k_norm_weight.to(kp.dtype),
-                                               k_norm_bias.to(kp.dtype), eps)
-            w = bi_linear(x, weights_proj).float() * H**-0.5
-        gate = bi_linear(x, compress_gate)
-    return k, gate, w
+    return ref.project_reference(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, float(eps), head_proj,
+                                 linear=bi_linear)
 
 
 def _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj) -> str:
@@ -250,7 +239,7 @@ def _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gat
     check_tensor("k_norm_weight", k_norm_weight, dtypes=FLOAT_DTYPES, shape=(D,))
     check_tensor("k_norm_bias", k_norm_bias, dtypes=FLOAT_DTYPES, shape=(D,))
     check_same_device(x=x, wk=wk, compress_gate=compress_gate, weights_proj=weights_proj,
-                 k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias)
+                      k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias)
     return head_proj
 
 

@@ -1,6 +1,7 @@
 """The composite KPool indexer the DSA layer calls, :func:`kpool_indexer`, and its stages shared
 with the context-parallel form (:mod:`inductor_ext.parallel.indexer`) and the serving decoder
-(:mod:`graphs.decode`): :func:`indexer_project`, :func:`indexer_query`, :func:`indexer_score_select`.
+(:mod:`graphs.decode`): :func:`indexer_project` (:func:`indexer_keys`, :func:`indexer_query`),
+:func:`indexer_pools`, :func:`indexer_scorer_query`, :func:`indexer_score_select`.
 The ops it composes, their contracts and input checks: :mod:`inductor_ext.ops.kpool`.
 """
 
@@ -33,7 +34,8 @@ from inductor_ext.ops.kpool import (
     kpool_select,
 )
 
-__all__ = ["kpool_indexer", "indexer_precision", "indexer_project", "indexer_query", "indexer_score_select"]
+__all__ = ["kpool_indexer", "indexer_precision", "indexer_project", "indexer_keys", "indexer_query", "indexer_pools",
+           "indexer_scorer_query", "indexer_score_select"]
 
 
 def indexer_precision(kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb) -> tuple:
@@ -112,14 +114,9 @@ def kpool_indexer(
         k, gate, w, q = indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
                                         compress_gate, eps=eps, head_proj=head_proj, batch_invariant=batch_invariant)
         pool_token, q_lo, q_n, tail_start, tail_len = kpool_layout(cu_seqlens, T, P)
-        if kpool == "bf16":
-            mode = "bf16_reference" if kpool_pooling == "reference" else "bf16_fp32"
-            k, gate = k.to(torch.bfloat16), gate.to(torch.bfloat16)
-            q = q.to(torch.bfloat16)
-            pool, pool_scale = kpool_compress(k, gate, compress_ape, pool_token, mode=mode)
-        else:
-            pool, pool_scale = kpool_compress(k, gate, compress_ape, pool_token, mode=f"fp8_{scale_fmt}")
-            q, w = kpool_quant_query(q, w, scale_fmt=scale_fmt)
+        pool, pool_scale = indexer_pools(k, gate, compress_ape, pool_token, kpool=kpool, kpool_pooling=kpool_pooling,
+                                         scale_fmt=scale_fmt)
+        q, w = indexer_scorer_query(q, w, kpool=kpool, scale_fmt=scale_fmt)
         return indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
                                     layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
                                     batch_invariant=batch_invariant)
@@ -127,13 +124,19 @@ def kpool_indexer(
 
 def indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps,
                     head_proj, batch_invariant):
-    """The indexer's projections, ``(k, gate, w, q [T, H, 128])``: :func:`kpool_project` (or
-    :func:`kpool_project_batch_invariant`) and the query ``q_resid · wq_bᵀ`` (``bi_linear`` when
-    ``batch_invariant``) in q_resid's dtype, autocast off. Shared by :func:`kpool_indexer`, its
-    context-parallel form and the serving decoder."""
-    project = kpool_project_batch_invariant if batch_invariant else kpool_project
-    k, gate, w = project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps=eps, head_proj=head_proj)
+    """The indexer's projections, ``(k, gate, w, q [T, H, 128])``: :func:`indexer_keys` and
+    :func:`indexer_query`. Shared by :func:`kpool_indexer` and its context-parallel form."""
+    k, gate, w = indexer_keys(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps=eps,
+                              head_proj=head_proj, batch_invariant=batch_invariant)
     return k, gate, w, indexer_query(q_resid, wq_b, batch_invariant=batch_invariant)
+
+
+def indexer_keys(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps, head_proj,
+                 batch_invariant):
+    """``(k [T, 128], gate [T, 128], w [T, H])``: :func:`kpool_project`, or
+    :func:`kpool_project_batch_invariant` when ``batch_invariant`` (same arguments and dtypes)."""
+    project = kpool_project_batch_invariant if batch_invariant else kpool_project
+    return project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps=eps, head_proj=head_proj)
 
 
 def indexer_query(q_resid, wq_b, *, batch_invariant):
@@ -142,6 +145,25 @@ def indexer_query(q_resid, wq_b, *, batch_invariant):
     with torch.autocast(device_type=q_resid.device.type, enabled=False):
         q = (bi_linear if batch_invariant else torch.nn.functional.linear)(q_resid, wq_b)
     return q.view(q_resid.shape[0], -1, ref.HEAD_DIM)
+
+
+def indexer_pools(k, gate, ape, pool_token, *, kpool, kpool_pooling, scale_fmt):
+    """``(pool [S, 128], scale [S] fp32)``: :func:`kpool_compress` in the indexer's mode for
+    ``kpool``: ``"bf16"`` rounds k and gate to BF16 and pools as ``kpool_pooling`` says
+    (``"reference"``: transformers' BF16 pooling, else FP32 pooling); ``"fp8"`` runs the serving
+    quantizer with ``scale_fmt`` scales (k and gate must already be BF16)."""
+    if kpool == "bf16":
+        mode = "bf16_reference" if kpool_pooling == "reference" else "bf16_fp32"
+        return kpool_compress(k.to(torch.bfloat16), gate.to(torch.bfloat16), ape, pool_token, mode=mode)
+    return kpool_compress(k, gate, ape, pool_token, mode=f"fp8_{scale_fmt}")
+
+
+def indexer_scorer_query(q, w, *, kpool, scale_fmt):
+    """``(q, w)`` as the scorer takes them for ``kpool``: ``"bf16"`` q ``[M, H, 128]`` rounded to
+    BF16 with w as is; ``"fp8"`` :func:`kpool_quant_query`'s e4m3 q and folded FP32 w."""
+    if kpool == "bf16":
+        return q.to(torch.bfloat16), w
+    return kpool_quant_query(q, w, scale_fmt=scale_fmt)
 
 
 def indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, *, kpool, layout, budget_mb,

@@ -120,22 +120,24 @@ def layout_reference(cu_seqlens: torch.Tensor, num_tokens: int, pool_size: int):
     return pool_token, q_lo, q_n, tail_start, tail_len
 
 
-def project_reference(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps: float, head_proj: str):
+def project_reference(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps: float, head_proj: str,
+                      linear=F.linear):
     """k = LayerNorm(x·wkᵀ) [T,D], gate = x·compress_gateᵀ [T,D] (x's dtype) and head weights
     w = (x·weights_projᵀ)·H^-0.5 [T,H] FP32. ``head_proj="model"``: linears and LayerNorm in x's
     dtype (transformers); ``"fp32"``: LayerNorm in FP32 then one cast, weights_proj as an IEEE
-    FP32 linear. Autocast is off inside."""
+    FP32 linear. Autocast is off inside. ``linear``: the product ``linear(x, W)`` (``F.linear``; the
+    batch-invariant indexer passes ``ops.bi_linear``)."""
     H = weights_proj.shape[0]
     with _no_autocast(x.device):
-        kp = F.linear(x, wk)
+        kp = linear(x, wk)
         if head_proj == "fp32":
             k = F.layer_norm(kp.float(), (kp.shape[-1],), k_norm_weight.float(), k_norm_bias.float(), eps)
             k = k.to(x.dtype)
-            w = F.linear(x.float(), weights_proj.float()) * H**-0.5
+            w = linear(x.float(), weights_proj.float()) * H**-0.5
         else:
             k = F.layer_norm(kp, (kp.shape[-1],), k_norm_weight.to(kp.dtype), k_norm_bias.to(kp.dtype), eps)
-            w = F.linear(x, weights_proj).float() * H**-0.5
-        gate = F.linear(x, compress_gate)
+            w = linear(x, weights_proj).float() * H**-0.5
+        gate = linear(x, compress_gate)
     return k, gate, w
 
 

@@ -90,17 +90,13 @@ def kpool_indexer_cp(
                          f"got {tuple(x.shape)} and {tuple(q_resid.shape)}")
     with torch.no_grad():
         k, gate, w, q = _pipeline.indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
-                                               compress_gate, eps=eps, head_proj=head_proj,
-                                               batch_invariant=batch_invariant)
+                                                  compress_gate, eps=eps, head_proj=head_proj,
+                                                  batch_invariant=batch_invariant)
         k, gate = gather_indexer_keys(k, gate, cp)
         pool_token, q_lo, q_n, tail_start, tail_len = local_query_layout(cp, P)
-        if kpool == "bf16":
-            mode = "bf16_reference" if kpool_pooling == "reference" else "bf16_fp32"
-            pool, pool_scale = _kpool.kpool_compress(k, gate, compress_ape, pool_token, mode=mode)
-            q = q.to(torch.bfloat16)
-        else:
-            pool, pool_scale = _kpool.kpool_compress(k, gate, compress_ape, pool_token, mode=f"fp8_{scale_fmt}")
-            q, w = _kpool.kpool_quant_query(q, w, scale_fmt=scale_fmt)
+        pool, pool_scale = _pipeline.indexer_pools(k, gate, compress_ape, pool_token, kpool=kpool,
+                                                   kpool_pooling=kpool_pooling, scale_fmt=scale_fmt)
+        q, w = _pipeline.indexer_scorer_query(q, w, kpool=kpool, scale_fmt=scale_fmt)
         return _pipeline.indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
-                                           layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
-                                           batch_invariant=batch_invariant)
+                                              layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
+                                              batch_invariant=batch_invariant)
