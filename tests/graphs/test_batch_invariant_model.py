@@ -9,6 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from graphs import GLM53Config, GLM53Model
 from inductor_ext import PrecisionConfig
+from tests.support.batch_invariant import DEVICES
 
 LENGTHS = (3, 13, 30, 5, 21)  # the first document is the one compared
 SEEDS = range(4)
@@ -16,22 +17,23 @@ BASES = {"reference_absorbed": PrecisionConfig.reference().replace(mla="absorbed
          "serving_aligned": PrecisionConfig.serving_aligned()}
 
 
-def _alone_and_packed(prec: PrecisionConfig, seed: int):
+def _alone_and_packed(prec: PrecisionConfig, seed: int, device: str = "cpu"):
     torch.manual_seed(seed)
-    model = GLM53Model(GLM53Config.tiny(), precision=prec).to_dtype(torch.bfloat16).eval()
-    docs = [torch.randint(0, 256, (n,)) for n in LENGTHS]
-    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    model = GLM53Model(GLM53Config.tiny(), precision=prec).to_dtype(torch.bfloat16).eval().to(device)
+    docs = [torch.randint(0, 256, (n,)).to(device) for n in LENGTHS]
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device=device)
     n = LENGTHS[0]
     with torch.no_grad():
-        alone = model(docs[0], torch.tensor([0, n]), output_hidden_states=True)
+        alone = model(docs[0], torch.tensor([0, n], device=device), output_hidden_states=True)
         packed = model(torch.cat(docs), cu, output_hidden_states=True)
     return [alone[0], *alone[1]], [packed[0][:n], *(h[:n] for h in packed[1])]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("base", sorted(BASES))
-def test_one_document_alone_equals_its_rows_in_a_pack(base):
+def test_one_document_alone_equals_its_rows_in_a_pack(base, device):
     for seed in SEEDS:
-        alone, packed = _alone_and_packed(BASES[base].replace(batch_invariant=True), seed)
+        alone, packed = _alone_and_packed(BASES[base].replace(batch_invariant=True), seed, device)
         for i, (a, p) in enumerate(zip(alone, packed)):
             assert torch.equal(a, p), f"{base} seed {seed}: {'logits' if i == 0 else f'streams {i}'} differ"
 

@@ -33,14 +33,14 @@ def model():
     return build_model(seed=0)
 
 
-def _tokens(vocab, n, length, seed):
+def _tokens(vocab, n, length, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n, length), generator=gen, dtype=torch.int64)
+    return torch.randint(0, vocab, (n, length), generator=gen, dtype=torch.int64).to(device)
 
 
 def _full_last(serve, seqs):
     n, length = seqs.shape
-    cu = torch.arange(n + 1, dtype=torch.int64) * length
+    cu = torch.arange(n + 1, dtype=torch.int64, device=seqs.device) * length
     return serve(seqs.reshape(-1), cu).view(n, length, -1)[:, -1]
 
 
@@ -71,6 +71,17 @@ def test_decode_logits_bitwise_equal_full_reforward(model, name):
     V = model.config.vocab_size
     diffs = _decode_vs_full(serve, _tokens(V, 3, 16, seed=5), _tokens(V, 3, 12, seed=6))
     assert diffs == [0.0] * 13, diffs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", [n for n in PRECISIONS if n.startswith("batch_invariant")])
+def test_cuda_decode_logits_bitwise_equal_full_reforward(name):
+    """The test above on CUDA for the batch-invariant configs (the plain ones are not expected to
+    hold there: cuBLAS picks kernels by shape)."""
+    model = build_model(seed=0, device="cuda")
+    V = model.config.vocab_size
+    prompts, steps = _tokens(V, 3, 16, seed=5, device="cuda"), _tokens(V, 3, 12, seed=6, device="cuda")
+    assert _decode_vs_full(ServingForward(model, PRECISIONS[name]), prompts, steps) == [0.0] * 13
 
 
 def test_decode_short_prompt_bitwise(model):

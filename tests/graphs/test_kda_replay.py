@@ -10,6 +10,8 @@ Run with only its own rows on this CPU it does too since the CPU reference pads 
 last chunk the same way (``kda_reference._chunk_document``).
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from graphs.kda_replay import CHUNK, replay_prefill, replay_step
 from graphs.serving import ServingForward
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.report.mismatch import build_model
+from tests.support.batch_invariant import DEVICES
 
 KDA = ["bf16", "fp32"]
 # crosses the chunk boundaries 64, 128 and 192; the forward's last chunk has 8 rows
@@ -87,7 +90,7 @@ def test_partial_chunk_row_independent_of_chunk_length(kda):
 
 def _full_chunk_forward(attn, x, n, prec, h0):
     """The training-form layer core on n packed documents of T tokens: ``[n, T, hidden]``."""
-    cu = torch.arange(n + 1, dtype=torch.int64) * T
+    cu = torch.arange(n + 1, dtype=torch.int64, device=x.device) * T
     qkv = attn.short_conv(attn.qkv_proj(x, prec), document_positions(cu, n * T, x.device))
     out, _ = attn.mix(x, qkv, cu, prec, serving=False, initial_state=h0)
     return qkv, out.view(n, T, -1)
@@ -119,15 +122,17 @@ CASES = {  # (sequences, prompt length, nonzero initial state)
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kda", KDA)
 @pytest.mark.parametrize("case", list(CASES))
-def test_replay_rows_bitwise_full_chunk_forward(attn, kda, case):
+def test_replay_rows_bitwise_full_chunk_forward(attn, kda, case, device):
     """Prefill + one-token steps to 200 tokens, every row bitwise the full forward's (prompts
     shorter and longer than a chunk, on and off a boundary; 3 packed sequences; initial states)."""
     n, prompt, with_h0 = CASES[case]
     prec = _prec(kda)
-    x = _rand(n * T, attn.o_proj.out_features, seed=10 + n)
-    h0 = 0.1 * _rand(n, attn.num_heads, attn.head_dim, attn.head_dim, seed=11, dtype=torch.float32) \
+    attn = copy.deepcopy(attn).to(device)
+    x = _rand(n * T, attn.o_proj.out_features, seed=10 + n).to(device)
+    h0 = 0.1 * _rand(n, attn.num_heads, attn.head_dim, attn.head_dim, seed=11, dtype=torch.float32).to(device) \
         if with_h0 else None
     qkv, full = _full_chunk_forward(attn, x, n, prec, h0)
     assert _mismatched(_replay(attn, x, qkv, n, prompt, prec, h0), full) == []
@@ -170,19 +175,21 @@ def test_decoder_kda_recurrent_cache_without_batch_invariant():
     assert set(cache) == {"window", "state"}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kda", KDA)
-def test_decoder_logits_bitwise_training_forward(kda):
+def test_decoder_logits_bitwise_training_forward(kda, device):
     """True on-policy end to end: under batch_invariant the decoder's next-token logits (3 sequences,
     a 62-token prompt, steps to 65 over the chunk boundary at 64) are bitwise the last-position
     logits of the *training* forward (``serving=False``: KDA through ``kda_chunk``) of the prefixes."""
-    model = build_model(seed=0)
+    model = build_model(seed=0, device=device)
     prec = _prec(kda)
     dec = ServingDecoder(ServingForward(model, prec))
     n, prompt, steps = 3, 62, 3
-    seqs = torch.randint(0, model.config.vocab_size, (n, prompt + steps), generator=torch.Generator().manual_seed(40))
+    seqs = torch.randint(0, model.config.vocab_size, (n, prompt + steps),
+                         generator=torch.Generator().manual_seed(40)).to(device)
 
     def training_last(prefix):
-        cu = torch.arange(n + 1, dtype=torch.int64) * prefix.shape[1]
+        cu = torch.arange(n + 1, dtype=torch.int64, device=device) * prefix.shape[1]
         hidden = model.final_hidden(prefix.reshape(-1), cu, prec, serving=False)[0]
         return model.lm_head(hidden).view(n, prefix.shape[1], -1)[:, -1]
 

@@ -1,4 +1,4 @@
-"""The KPool indexer under ``PrecisionConfig.batch_invariant`` (CPU): the batch-invariant scorer
+"""The KPool indexer under ``PrecisionConfig.batch_invariant`` (CPU; the invariance tests on CUDA too): the batch-invariant scorer
 and projections give each row bitwise the same whatever the other rows of the call (and the scorer
 whatever the number of pools), stay within FP32 / BF16 rounding of the plain ops, and a document's
 ids alone equal its ids inside a pack. A planted scorer whose head sum follows the row count fails
@@ -12,7 +12,7 @@ from inductor_ext import ops
 from inductor_ext.ops import kpool, kpool_pipeline
 from inductor_ext.ops import kpool_reference as ref
 from inductor_ext.ops.ordered import ordered_sum
-from tests.support.batch_invariant import assert_bitwise, check_batch_invariance, rel_l2
+from tests.support.batch_invariant import DEVICES, assert_bitwise, check_batch_invariance, rel_l2
 from tests.support.kpool import HEADS, D, P, kp_indexer, kp_inputs, kp_params, kp_run
 
 SIZES = range(1, 17)  # rows alone vs inside calls of 1..16 rows, and one shuffled call
@@ -30,9 +30,10 @@ def _scorer_inputs(M=BIG, S=37, precision="bf16", seed=0):
     return (q * 40).to(torch.float8_e4m3fn), w, (pool * 40).to(torch.float8_e4m3fn), scale
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_scorer_rows_and_columns_are_invariant(precision):
-    q, w, pool, scale = _scorer_inputs(precision=precision)
+def test_scorer_rows_and_columns_are_invariant(precision, device):
+    q, w, pool, scale = (t.to(device) for t in _scorer_inputs(precision=precision))
 
     def score(qr, wr):
         return kpool.kpool_logits_batch_invariant(qr, wr, pool, scale, precision=precision)
@@ -90,15 +91,16 @@ def test_projections_are_invariant_and_close_to_kpool_project(head_proj):
         assert rel_l2(a, b) <= (2e-6 if a.dtype == torch.float32 and head_proj == "fp32" else 1e-2), name
 
 
-def test_a_document_alone_selects_the_ids_it_selects_in_a_pack():
-    m = kp_indexer(topk=8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_document_alone_selects_the_ids_it_selects_in_a_pack(device):
+    m = kp_indexer(topk=8).to(device)
     lengths = [29, 7, 40, 3, 17]
-    x, qr, cu = kp_inputs(lengths)
+    x, qr, cu = (t.to(device) for t in kp_inputs(lengths))
     packed = kp_run(m, x, qr, cu, batch_invariant=True)
     plain = kp_run(m, x, qr, cu)
     assert packed.shape == plain.shape and (packed == plain).float().mean() > 0.95  # same picks but near-ties
     for d, (bos, eos) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        one = torch.tensor([0, eos - bos], dtype=torch.int64)
+        one = torch.tensor([0, eos - bos], dtype=torch.int64, device=device)
         alone = kp_run(m, x[bos:eos], qr[bos:eos], one, batch_invariant=True)
         assert torch.equal(torch.where(alone >= 0, alone + bos, alone), packed[bos:eos]), f"document {d}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pytest
 import torch
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
 
 PROBES = 64  # rows computed alone, then inside calls of M = 1..PROBES rows and one big call
 BIG = 4096
+# the invariance tests of the model's pieces run on both (the cuda ones on the H200)
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.cuda))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -66,9 +69,9 @@ def check_batch_invariance(fn, inputs, *, sizes=range(1, PROBES + 1), big: int =
         perm = torch.randperm(big, generator=g)
         batch = []
         for t in inputs:
-            filler = torch.randn((big - probes, *t.shape[1:]), generator=g) * t[:probes].float().std()
-            batch.append(torch.cat([t[:probes], filler.to(t.dtype)])[perm])
-        where = torch.argsort(perm)[:probes]  # the new position of probe row i
+            filler = torch.randn((big - probes, *t.shape[1:]), generator=g).to(t.device) * t[:probes].float().std()
+            batch.append(torch.cat([t[:probes], filler.to(t.dtype)])[perm.to(t.device)])
+        where = torch.argsort(perm)[:probes].to(alone.device)  # the new position of probe row i
         got = fn(*batch)[where]
         bad = (bits(got) != bits(alone)).reshape(probes, -1).any(1).nonzero().flatten()
         if bad.numel():

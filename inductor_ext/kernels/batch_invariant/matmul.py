@@ -10,8 +10,9 @@ reach another row's accumulator). Grouped tile order (``GROUP_M``) only changes 
 computes a tile, not how. ``M`` is not specialized, so every M runs the same compiled kernel.
 
 FP32 inputs use ``input_precision="ieee"`` (no TF32); mixed input dtypes are upcast to FP32 in
-registers (exact). Strided inputs are read in place, so the backward's transposed operands
-(``dyᵀ``, ``xᵀ``) need no copies. Imports only torch and triton; the K block comes from the caller
+registers (exact). A strided weight is read in place (the backward's ``xᵀ``, ``weightᵀ``); a left
+operand whose K is not contiguous (the backward's ``dyᵀ``) is copied K-contiguous first (faster).
+Imports only torch and triton; the K block comes from the caller
 (``inductor_ext.ops.batch_invariant_reference.BLOCK_K``).
 
 The same kernel serves ``glm53::bi_grouped_linear`` (MoE experts; constexpr ``RAGGED``, no copied
@@ -45,7 +46,7 @@ CONFIGS = {
 def _bi_matmul_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, meta_ptr, M, N, K, E, TILES,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ye, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RAGGED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RAGGED: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # RAGGED = 0: dense. 1: grouped rows (bi_grouped_linear, its dx): tile slot t computes rows
@@ -96,9 +97,13 @@ def _bi_matmul_kernel(
         kk = k0 + rk
         if RAGGED == 2:  # K is the rows of dy and x here: 64-bit offsets
             kk = kk.to(tl.int64)
-        k_ok = kk < k_end
-        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_cols + kk[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if EVEN_K:  # K a multiple of BLOCK_K: no K mask (the same values: the mask only zeroed k >= K)
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
+            b = tl.load(w_cols + kk[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = kk < k_end
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_cols + kk[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -127,6 +132,10 @@ def bi_matmul(x, weight, bias, out_dtype, block_k: int):
 
 
 def _launch(x2, w, bias, y, meta, M, N, K, E, tiles, grid_m, w_strides, y_strides, block_k, ragged=0):
+    if x2.stride(1) != 1:
+        # a transposed left operand (the weight gradients' dyᵀ) runs 2.5-3× slower in place on the
+        # H200; a K-contiguous copy has the same values and the same K order
+        x2 = x2.contiguous()
     compute = x2.dtype if x2.dtype == w.dtype else torch.float32
     block_m, block_n, group_m, num_warps, num_stages = CONFIGS[compute]
     if ragged == 0:
@@ -138,6 +147,7 @@ def _launch(x2, w, bias, y, meta, M, N, K, E, tiles, grid_m, w_strides, y_stride
         x2, w, bias if bias is not None else y, y, meta if meta is not None else y, M, N, K, E, tiles,
         x2.stride(0), x2.stride(1), *w_strides, *y_strides,
         HAS_BIAS=bias is not None, UPCAST=x2.dtype != w.dtype, IEEE=compute == torch.float32, RAGGED=ragged,
+        EVEN_K=ragged != 2 and K % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
         num_warps=num_warps, num_stages=num_stages,
     )
