@@ -139,7 +139,7 @@ def _run(argv) -> int:
 
 def _bench(args, progress) -> int:
     """``bench``: run the benchmarks, rewriting ``bench.json`` / ``bench.md`` after each (and after
-    each layer kind: a run cut short keeps what finished)."""
+    each layer kind and each piece of ``invariance``: a run cut short keeps what finished)."""
     names = tuple(BENCHES) if args.what == "all" else (args.what,)
     layer = {k: getattr(args, k) for k in _LAYER_OPTIONS if getattr(args, k) is not None}
     if layer and "layer" not in names:
@@ -158,7 +158,8 @@ def _bench(args, progress) -> int:
         print(format_benches({name: result}))
 
     run_benches(names, args.tokens, args.samples, progress, on_result=done,
-                options={"layer": {**layer, "on_partial": lambda result: save("layer", result)}})
+                options={"layer": {**layer, "on_partial": lambda result: save("layer", result)},
+                         "invariance": {"on_partial": lambda result: save("invariance", result)}})
     print(f"wrote {args.out}/bench.json, bench.md")
     return 0
 

@@ -10,12 +10,14 @@ In one process, under ``serving_aligned()`` and under the same config with ``bat
   CUDA events around each :meth:`graphs.decode.ServingDecoder.step`, ``decode_steps`` steps after
   two warm-up steps).
 
-Returns ``{"layer": {config: bench_layer result}, "decode": {config: {p50_us, max_us, samples}},
-"ratios": [...]}``; a ratio is batch-invariant p50 over plain p50 (the issue's targets:
+Returns ``{"layer": {config: bench_layer result (rows of both kinds)}, "decode": {config: {p50_us,
+max_us, samples}}, "ratios": [...]}``; a ratio is batch-invariant p50 over plain p50 (the issue's targets:
 forward + backward ≤ 1.15, a decode step ≤ 1.5).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -29,26 +31,44 @@ CONFIG_NAMES = ("serving_aligned", "batch_invariant")  # keys of inductor_ext.be
 
 
 def bench_invariance(tokens: int = 8192, samples: int = 20, progress=None, *, decode_seqs: int = 64,
-                     decode_prompt: int = 128, decode_steps: int = 10) -> dict:
-    """See the module docstring. Raises ``ValueError`` without CUDA or on bad arguments."""
+                     decode_prompt: int = 128, decode_steps: int = 10,
+                     on_partial: Callable[[dict], object] | None = None) -> dict:
+    """See the module docstring. The decode steps run first (eager: no compile), then each layer
+    kind under each config; ``on_partial`` is called with the result so far after each piece (a
+    run cut short keeps what finished). Raises ``ValueError`` without CUDA or on bad arguments."""
     if not torch.cuda.is_available():
         raise ValueError("bench invariance needs a CUDA device")
     for name, value in (("decode_seqs", decode_seqs), ("decode_prompt", decode_prompt),
                         ("decode_steps", decode_steps)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"bench invariance: {name} must be an int >= 1, got {value!r}")
-    layers = {name: layer_bench.bench_layer(tokens, samples=samples, progress=progress, precision=name,
-                                            timing_only=True)
-              for name in CONFIG_NAMES}
-    decode = {}
+    layers, decode = {}, {}
+
+    def result():
+        return {"tokens": tokens, "samples": samples, "layer": layers, "decode": decode,
+                "decode_shape": {"seqs": decode_seqs, "prompt": decode_prompt, "steps": decode_steps},
+                "ratios": _ratios(layers, decode)}
+
+    def piece_done():
+        if on_partial is not None:
+            on_partial(result())
+
     with Progress(progress, total=len(CONFIG_NAMES), desc="bench invariance: decode") as prog:
         for name in CONFIG_NAMES:
             prog.step(f"decode step, {name}")
             decode[name] = _decode_step(layer_bench.CONFIGS[name], decode_seqs, decode_prompt, decode_steps)
             torch.cuda.empty_cache()
-    return {"tokens": tokens, "samples": samples, "layer": layers, "decode": decode,
-            "decode_shape": {"seqs": decode_seqs, "prompt": decode_prompt, "steps": decode_steps},
-            "ratios": _ratios(layers, decode)}
+            piece_done()
+    for kind in layer_bench.KINDS:
+        for name in CONFIG_NAMES:
+            part = layer_bench.bench_layer(tokens, kinds=(kind,), samples=samples, progress=progress,
+                                           precision=name, timing_only=True)
+            if name in layers:
+                layers[name]["rows"] += part["rows"]
+            else:
+                layers[name] = part
+            piece_done()
+    return result()
 
 
 @torch.no_grad()
@@ -70,16 +90,16 @@ def _decode_step(config, seqs: int, prompt: int, steps: int) -> dict:
 
 
 def _ratios(layers: dict, decode: dict) -> list[dict]:
-    plain, invariant = (layers[n]["rows"] for n in CONFIG_NAMES)
-    rows = []
-    for a, b in zip(plain, invariant):
-        if "p50_us" in a and "p50_us" in b:
-            rows.append({"what": f"{a['kind']} {a['variant']}", "plain_p50_us": a["p50_us"],
-                         "batch_invariant_p50_us": b["p50_us"], "ratio": b["p50_us"] / a["p50_us"]})
-    a, b = (decode[n] for n in CONFIG_NAMES)
-    rows.append({"what": "decode step", "plain_p50_us": a["p50_us"], "batch_invariant_p50_us": b["p50_us"],
-                 "ratio": b["p50_us"] / a["p50_us"]})
-    return rows
+    """Batch-invariant over plain p50 for each (kind, variant) and the decode step measured under
+    both configs so far."""
+    plain, invariant = ({(r["kind"], r["variant"]): r for r in layers.get(n, {}).get("rows", [])}
+                        for n in CONFIG_NAMES)
+    pairs = [(f"{k} {v}", plain[k, v], invariant[k, v]) for k, v in plain if (k, v) in invariant]
+    if all(n in decode for n in CONFIG_NAMES):
+        pairs.append(("decode step", *(decode[n] for n in CONFIG_NAMES)))
+    return [{"what": what, "plain_p50_us": a["p50_us"], "batch_invariant_p50_us": b["p50_us"],
+             "ratio": b["p50_us"] / a["p50_us"]}
+            for what, a, b in pairs if "p50_us" in a and "p50_us" in b]
 
 
 def format_invariance(result: dict) -> str:

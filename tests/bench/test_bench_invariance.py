@@ -25,3 +25,38 @@ def test_configs_and_errors():
     assert set(invariance.CONFIG_NAMES) <= set(CONFIGS)
     with pytest.raises(ValueError, match="CUDA"):
         invariance.bench_invariance(decode_seqs=4)
+
+
+def test_ratios_of_a_partial_result():
+    """A run cut short: only the pieces measured under both configs get a ratio."""
+    layers = {"serving_aligned": _rows(1.0)}
+    assert invariance._ratios(layers, {"serving_aligned": {"p50_us": 1.0}}) == []
+    layers["batch_invariant"] = {"rows": []}
+    decode = {"serving_aligned": {"p50_us": 200.0}, "batch_invariant": {"p50_us": 300.0}}
+    assert [r["what"] for r in invariance._ratios(layers, decode)] == ["decode step"]
+
+
+def test_pieces_run_decode_first_and_report_each(monkeypatch):
+    """Decode steps first (no compile), then each kind under each config, ``on_partial`` after each."""
+    calls = []
+
+    def fake_layer(tokens, *, kinds, samples, progress, precision, timing_only):
+        assert timing_only
+        calls.append(f"{kinds[0]} {precision}")
+        return {"rows": [{"kind": kinds[0], "variant": "fwd", "p50_us": 2.0 if precision == "batch_invariant" else 1.0}]}
+
+    def fake_decode(config, seqs, prompt, steps):
+        calls.append(f"decode {'bi' if config.batch_invariant else 'plain'}")
+        return {"p50_us": 3.0 if config.batch_invariant else 2.0}
+
+    monkeypatch.setattr(invariance.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(invariance.layer_bench, "bench_layer", fake_layer)
+    monkeypatch.setattr(invariance, "_decode_step", fake_decode)
+    monkeypatch.setattr(invariance.torch.cuda, "empty_cache", lambda: None)
+    partial = []
+    result = invariance.bench_invariance(8, 2, on_partial=lambda r: partial.append(len(r["ratios"])))
+    assert calls == ["decode plain", "decode bi", "kda serving_aligned", "kda batch_invariant",
+                     "dsa serving_aligned", "dsa batch_invariant"]
+    assert partial == [0, 1, 1, 2, 2, 3]
+    assert [(r["what"], r["ratio"]) for r in result["ratios"]] == [("kda fwd", 2.0), ("dsa fwd", 2.0),
+                                                                   ("decode step", 1.5)]
