@@ -63,13 +63,18 @@ def _decode_vs_full(serve, prompts, steps):
     return diffs
 
 
+def _decode_diffs(model, name):
+    """3 sequences, 16-token prefill, 12 fixed-token steps on the model's device."""
+    device, V = model.lm_head.weight.device, model.config.vocab_size
+    serve = ServingForward(model, PRECISIONS[name])
+    return _decode_vs_full(serve, _tokens(V, 3, 16, seed=5, device=device), _tokens(V, 3, 12, seed=6, device=device))
+
+
 @pytest.mark.parametrize("name", list(PRECISIONS))
 def test_decode_logits_bitwise_equal_full_reforward(model, name):
     """3 sequences, 16-token prefill, 12 fixed-token steps (crosses 3 pool boundaries; topk/P = 4
     pools, so from 20 tokens on the indexer really selects)."""
-    serve = ServingForward(model, PRECISIONS[name])
-    V = model.config.vocab_size
-    diffs = _decode_vs_full(serve, _tokens(V, 3, 16, seed=5), _tokens(V, 3, 12, seed=6))
+    diffs = _decode_diffs(model, name)
     assert diffs == [0.0] * 13, diffs
 
 
@@ -78,10 +83,8 @@ def test_decode_logits_bitwise_equal_full_reforward(model, name):
 def test_cuda_decode_logits_bitwise_equal_full_reforward(name):
     """The test above on CUDA for the batch-invariant configs (the plain ones are not expected to
     hold there: cuBLAS picks kernels by shape)."""
-    model = build_model(seed=0, device="cuda")
-    V = model.config.vocab_size
-    prompts, steps = _tokens(V, 3, 16, seed=5, device="cuda"), _tokens(V, 3, 12, seed=6, device="cuda")
-    assert _decode_vs_full(ServingForward(model, PRECISIONS[name]), prompts, steps) == [0.0] * 13
+    diffs = _decode_diffs(build_model(seed=0, device="cuda"), name)
+    assert diffs == [0.0] * 13, diffs
 
 
 def test_decode_short_prompt_bitwise(model):

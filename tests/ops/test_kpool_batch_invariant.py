@@ -1,7 +1,7 @@
-"""The KPool indexer under ``PrecisionConfig.batch_invariant`` (CPU; the invariance tests on CUDA too): the batch-invariant scorer
-and projections give each row bitwise the same whatever the other rows of the call (and the scorer
-whatever the number of pools), stay within FP32 / BF16 rounding of the plain ops, and a document's
-ids alone equal its ids inside a pack. A planted scorer whose head sum follows the row count fails
+"""The KPool indexer under ``PrecisionConfig.batch_invariant`` (CPU; the invariance tests on CUDA
+too): the batch-invariant scorer and projections give each row bitwise the same whatever the other
+rows of the call (and the scorer whatever the number of pools), stay within FP32 / BF16 rounding of
+the plain ops, and a document's ids alone equal its ids inside a pack. A planted scorer whose head sum follows the row count fails
 the same check.
 """
 

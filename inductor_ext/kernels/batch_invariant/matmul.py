@@ -97,13 +97,14 @@ def _bi_matmul_kernel(
         kk = k0 + rk
         if RAGGED == 2:  # K is the rows of dy and x here: 64-bit offsets
             kk = kk.to(tl.int64)
-        if EVEN_K:  # K a multiple of BLOCK_K: no K mask (the same values: the mask only zeroed k >= K)
-            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None], other=0.0)
-            b = tl.load(w_cols + kk[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
-        else:
+        a_ok = m_ok[:, None]
+        b_ok = n_ok[None, :]
+        if not EVEN_K:  # (K a multiple of BLOCK_K: no K mask, the same values: it only zeroes k >= K)
             k_ok = kk < k_end
-            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_cols + kk[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            a_ok = a_ok & k_ok[None, :]
+            b_ok = b_ok & k_ok[:, None]
+        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=a_ok, other=0.0)
+        b = tl.load(w_cols + kk[:, None] * stride_wk, mask=b_ok, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
