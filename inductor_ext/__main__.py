@@ -11,6 +11,7 @@ import torch
 
 from inductor_ext import backends
 from inductor_ext.bench import BENCHES, format_benches, run_benches
+from inductor_ext.bench.invariance import PARTS as INVARIANCE_PARTS
 from inductor_ext.bench.layer import KINDS, PRECISIONS
 from inductor_ext.parallel import check as cp_check
 from inductor_ext.report import MismatchSettings, default_arms, format_table, run_mismatch, run_report
@@ -86,6 +87,9 @@ def _run(argv) -> int:
     lay.add_argument("--attn-impl", choices=("flex", "eager"),
                      help="the DSA layer's sparse attention: flex (FlexAttention, default) or eager (dense masked)")
     lay.add_argument("--precision", choices=PRECISIONS, help="PrecisionConfig preset (default serving_aligned)")
+    inv = ben.add_argument_group("bench invariance (also under all)")
+    inv.add_argument("--parts", nargs="+", choices=INVARIANCE_PARTS,
+                     help="pieces, in this order, each under both configs (default: decode kda dsa)")
     sub.add_parser("doctor", help="versions, usable back-ends, which kernel each op takes")
     cp_check.add_arguments(sub.add_parser(
         "cp-check", help="context parallel on N processes (gloo on CPU, NCCL on GPUs) against one rank"))
@@ -144,6 +148,9 @@ def _bench(args, progress) -> int:
     layer = {k: getattr(args, k) for k in _LAYER_OPTIONS if getattr(args, k) is not None}
     if layer and "layer" not in names:
         raise ValueError(f"--kinds, --attn-impl and --precision are options of `bench layer`, not `bench {args.what}`")
+    if args.parts is not None and "invariance" not in names:
+        raise ValueError(f"--parts is an option of `bench invariance`, not `bench {args.what}`")
+    parts = {} if args.parts is None else {"parts": tuple(args.parts)}
     _device("cuda", "bench times CUDA-graph replays; run it on a GPU machine, or `report` on this one")
     results = {}
 
@@ -159,7 +166,7 @@ def _bench(args, progress) -> int:
 
     run_benches(names, args.tokens, args.samples, progress, on_result=done,
                 options={"layer": {**layer, "on_partial": lambda result: save("layer", result)},
-                         "invariance": {"on_partial": lambda result: save("invariance", result)}})
+                         "invariance": {**parts, "on_partial": lambda result: save("invariance", result)}})
     print(f"wrote {args.out}/bench.json, bench.md")
     return 0
 

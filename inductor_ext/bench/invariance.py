@@ -25,17 +25,22 @@ from inductor_ext.bench import layer as layer_bench
 from inductor_ext.bench import timing
 from inductor_ext.bench.progress import Progress
 
-__all__ = ["bench_invariance", "format_invariance", "CONFIG_NAMES"]
+__all__ = ["bench_invariance", "format_invariance", "CONFIG_NAMES", "PARTS"]
 
 CONFIG_NAMES = ("serving_aligned", "batch_invariant")  # keys of inductor_ext.bench.layer.CONFIGS
+PARTS = ("decode", *layer_bench.KINDS)  # the pieces, in their default order
 
 
 def bench_invariance(tokens: int = 8192, samples: int = 20, progress=None, *, decode_seqs: int = 64,
-                     decode_prompt: int = 128, decode_steps: int = 10,
+                     decode_prompt: int = 128, decode_steps: int = 10, parts: tuple[str, ...] = PARTS,
                      on_partial: Callable[[dict], object] | None = None) -> dict:
-    """See the module docstring. The decode steps run first (eager: no compile), then each layer
-    kind under each config; ``on_partial`` is called with the result so far after each piece (a
-    run cut short keeps what finished). Raises ``ValueError`` without CUDA or on bad arguments."""
+    """See the module docstring. ``parts`` (of :data:`PARTS`, run in the given order): the decode
+    steps (eager: no compile) and the layer kinds, each under both configs; ``on_partial`` is called
+    with the result so far after each piece (a run cut short keeps what finished). Raises
+    ``ValueError`` without CUDA or on bad arguments."""
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts or len(set(parts)) != len(parts):
+        raise ValueError(f"bench invariance: parts must be distinct names of {PARTS}, got {tuple(parts)}")
     if not torch.cuda.is_available():
         raise ValueError("bench invariance needs a CUDA device")
     for name, value in (("decode_seqs", decode_seqs), ("decode_prompt", decode_prompt),
@@ -53,13 +58,15 @@ def bench_invariance(tokens: int = 8192, samples: int = 20, progress=None, *, de
         if on_partial is not None:
             on_partial(result())
 
-    with Progress(progress, total=len(CONFIG_NAMES), desc="bench invariance: decode") as prog:
-        for name in CONFIG_NAMES:
-            prog.step(f"decode step, {name}")
-            decode[name] = _decode_step(layer_bench.CONFIGS[name], decode_seqs, decode_prompt, decode_steps)
-            torch.cuda.empty_cache()
-            piece_done()
-    for kind in layer_bench.KINDS:
+    for kind in parts:
+        if kind == "decode":
+            with Progress(progress, total=len(CONFIG_NAMES), desc="bench invariance: decode") as prog:
+                for name in CONFIG_NAMES:
+                    prog.step(f"decode step, {name}")
+                    decode[name] = _decode_step(layer_bench.CONFIGS[name], decode_seqs, decode_prompt, decode_steps)
+                    torch.cuda.empty_cache()
+                    piece_done()
+            continue
         for name in CONFIG_NAMES:
             part = layer_bench.bench_layer(tokens, kinds=(kind,), samples=samples, progress=progress,
                                            precision=name, timing_only=True)

@@ -36,8 +36,8 @@ def test_ratios_of_a_partial_result():
     assert [r["what"] for r in invariance._ratios(layers, decode)] == ["decode step"]
 
 
-def test_pieces_run_decode_first_and_report_each(monkeypatch):
-    """Decode steps first (no compile), then each kind under each config, ``on_partial`` after each."""
+def _fake_pieces(monkeypatch):
+    """bench_layer and the decode step replaced by fakes that log their calls."""
     calls = []
 
     def fake_layer(tokens, *, kinds, samples, progress, precision, timing_only):
@@ -53,6 +53,12 @@ def test_pieces_run_decode_first_and_report_each(monkeypatch):
     monkeypatch.setattr(invariance.layer_bench, "bench_layer", fake_layer)
     monkeypatch.setattr(invariance, "_decode_step", fake_decode)
     monkeypatch.setattr(invariance.torch.cuda, "empty_cache", lambda: None)
+    return calls
+
+
+def test_pieces_run_decode_first_and_report_each(monkeypatch):
+    """Decode steps first (no compile), then each kind under each config, ``on_partial`` after each."""
+    calls = _fake_pieces(monkeypatch)
     partial = []
     result = invariance.bench_invariance(8, 2, on_partial=lambda r: partial.append(len(r["ratios"])))
     assert calls == ["decode plain", "decode bi", "kda serving_aligned", "kda batch_invariant",
@@ -60,3 +66,20 @@ def test_pieces_run_decode_first_and_report_each(monkeypatch):
     assert partial == [0, 1, 1, 2, 2, 3]
     assert [(r["what"], r["ratio"]) for r in result["ratios"]] == [("kda fwd", 2.0), ("dsa fwd", 2.0),
                                                                    ("decode step", 1.5)]
+
+
+def test_parts_run_in_the_given_order(monkeypatch):
+    calls = _fake_pieces(monkeypatch)
+    result = invariance.bench_invariance(8, 2, parts=("kda", "decode"))
+    assert calls == ["kda serving_aligned", "kda batch_invariant", "decode plain", "decode bi"]
+    assert [r["what"] for r in result["ratios"]] == ["kda fwd", "decode step"]
+    for bad in (("kda", "kda"), ("moe",), ()):
+        with pytest.raises(ValueError, match="parts must be distinct names"):
+            invariance.bench_invariance(8, 2, parts=bad)
+
+
+def test_cli_parts_only_for_invariance(capsys):
+    from inductor_ext.__main__ import main
+
+    assert main(["bench", "layer", "--parts", "kda"]) != 0
+    assert "--parts is an option of `bench invariance`, not `bench layer`" in capsys.readouterr().err

@@ -158,6 +158,18 @@ def test_matmul_bitwise_with_ordered_dot(kb, request, case, tiles):
     assert_bitwise("bi_matmul", got, ref.bi_linear_reference(x, w, b, od))
 
 
+@pytest.mark.parametrize("n,k", [(24, 150), (150, 24), (24, 24)], ids=["skinny-n", "short-k", "both"])
+def test_matmul_skinny_fp32_tiles_bitwise(kb, n, k):
+    """FP32 tiles fitted to a skinny product (launch_config: 32 columns for N = 24, one 32-wide K
+    block for K = 24) give the reference's values, bias and strided weight included."""
+    x, w, b = _randn(37, k), _randn(k, n, scale=k**-0.5, seed=1).t(), _randn(n, seed=2)
+    config = kb.launch_config(FP32, n, k, ref.BLOCK_K)
+    assert (config[:2], config[5]) == ((16, 32) if n <= 32 else (64, 64), 32 if k <= 32 else 64)
+    with interpreter_numerics(ordered_dot=True):
+        got = kb.bi_matmul(x, w, b, FP32, ref.BLOCK_K)
+    assert_bitwise("bi_matmul", got, ref.bi_linear_reference(x, w, b, FP32))
+
+
 def test_matmul_strided_operands_of_the_backward(kb, small_tiles):
     """dweight = dyᵀ · xᵀ read in place from transposed views (no copies), as the backward does."""
     dy, x = _randn(70, 40, dtype=BF16), _randn(70, 150, dtype=BF16, seed=1)
@@ -317,13 +329,16 @@ def test_bad_block_raises(kb):
 
 
 def _cuda_cases():
-    """(name, op on CUDA, its reference on CPU, CPU input rows)."""
+    """(the skinny case's weight, [(name, op on CUDA, its reference on CPU, CPU input rows)])."""
     bi = importlib.import_module("inductor_ext.ops.batch_invariant")
     w = _randn(1024, 4096, dtype=BF16, scale=4096**-0.5, seed=1)
     wv = _randn(8192, 1024, dtype=BF16, scale=1024**-0.5, seed=4)
     g = _randn(4096, dtype=BF16, seed=2) + 1
-    wc, wvc, gc = w.cuda(), wv.cuda(), g.cuda()
-    return [
+    wm = _randn(24, 16384, dtype=BF16, scale=16384**-0.5, seed=5)  # mHC's projection (SKINNY_FP32 tiles)
+    wc, wvc, gc, wmc = w.cuda(), wv.cuda(), g.cuda(), wm.cuda()
+    return wm, [
+        ("linear-skinny-fp32", lambda x: bi.bi_linear(x, wmc, out_dtype=FP32),
+         lambda x: ref.bi_linear_reference(x, wm, None, FP32), _randn(64, 16384)),
         ("linear-bf16", lambda x: bi.bi_linear(x, wc), lambda x: ref.bi_linear_reference(x, w, None, BF16),
          _randn(64, 4096, dtype=BF16)),
         ("linear-to-fp32", lambda x: bi.bi_linear(x, wvc, out_dtype=FP32),
@@ -341,11 +356,21 @@ def test_cuda_batch_invariant_and_close_to_reference():
     from inductor_ext import backends
 
     assert backends.available("triton"), "the cuda tests exercise the Triton kernels"
-    for name, fn, reference, x in _cuda_cases():
+    skinny_weight, cases = _cuda_cases()
+    for name, fn, reference, x in cases:
         failures = check_batch_invariance(lambda rows, f=fn: f(rows.cuda()).cpu(), x)
         assert not failures, f"{name}: " + "; ".join(failures)
         got, want = fn(x.cuda()).cpu(), reference(x)
-        if got.dtype == FP32:
+        if name == "linear-skinny-fp32":
+            # one FMA chain over K = 16384 (the reference adds 64-term block sums): both against FP64,
+            # the chain within 2·eps·sqrt(K) (its rounding-error scale for random signs)
+            exact = x.double() @ skinny_weight.double().t()
+            err, ref_err = rel_l2(got, exact), rel_l2(want, exact)
+            bound = 2 * torch.finfo(FP32).eps * x.shape[1] ** 0.5
+            assert err <= bound, f"{name}: relative L2 to FP64 {err:.2e} > {bound:.1e} (reference: {ref_err:.2e})"
+            print(f"{name}: relative L2 to FP64 {err:.2e}, reference {ref_err:.2e}, against {want.dtype} reference "
+                  f"{rel_l2(got, want):.2e}")
+        elif got.dtype == FP32:
             err = rel_l2(got, want)
             assert err <= GPU_TOL["fp32"], f"{name}: relative L2 {err:.2e} > {GPU_TOL['fp32']:.0e}"
         else:

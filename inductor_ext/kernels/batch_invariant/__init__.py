@@ -19,6 +19,7 @@ from inductor_ext.kernels.batch_invariant.matmul import (
     bi_grouped_matmul_wgrad,
     bi_matmul,
     grouped_tile_map,
+    launch_config,
 )
 from inductor_ext.kernels.batch_invariant.norms import (
     MAX_BLOCK,
@@ -28,5 +29,6 @@ from inductor_ext.kernels.batch_invariant.norms import (
     bi_row_sum_rows,
 )
 
-__all__ = ["CONFIGS", "MAX_BLOCK", "bi_matmul", "bi_grouped_matmul", "bi_grouped_matmul_wgrad", "grouped_tile_map",
+__all__ = ["CONFIGS", "MAX_BLOCK", "launch_config", "bi_matmul", "bi_grouped_matmul", "bi_grouped_matmul_wgrad",
+           "grouped_tile_map",
            "bi_rms_norm_rows", "bi_layer_norm_rows", "bi_log_softmax_rows", "bi_row_sum_rows"]

@@ -2,7 +2,7 @@
 
 One program computes one ``[BLOCK_M, BLOCK_N]`` output tile over the full K: ``acc = dot(a_k, b_k,
 acc)`` for K blocks of ``block_k`` in ascending order, then the bias, then one rounding. The tile
-configuration is fixed per compute dtype (:data:`CONFIGS`), never chosen from M, and nothing is
+configuration comes from the compute dtype (:func:`launch_config`), never from M, and nothing is
 autotuned: no split-K, no stream-K, no reduction split, so the MMA instructions that accumulate an
 output element and their order are the same for every M, and an element's value depends only on
 its row of x and its column of weightᵀ (rows beyond M are masked to zero inside the tile and never
@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CONFIGS", "bi_matmul", "bi_grouped_matmul", "bi_grouped_matmul_wgrad", "grouped_tile_map"]
+__all__ = ["CONFIGS", "SKINNY_FP32", "launch_config", "bi_matmul", "bi_grouped_matmul", "bi_grouped_matmul_wgrad",
+           "grouped_tile_map"]
 
 # compute dtype -> fixed launch configuration (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages).
 # Changing an entry changes tiling only; the K order is fixed by the caller's block_k.
@@ -40,6 +41,7 @@ CONFIGS = {
     torch.float16: (128, 128, 8, 8, 3),
     torch.float32: (64, 64, 8, 4, 2),
 }
+SKINNY_FP32 = (16, 32, 8, 2, 2)  # FP32 products with N <= 32 (see launch_config)
 
 
 @triton.jit(do_not_specialize=["M", "TILES"])  # one compiled kernel for every M (no M == 1 / M % 16 variants)
@@ -132,13 +134,32 @@ def bi_matmul(x, weight, bias, out_dtype, block_k: int):
     return y.reshape(*x.shape[:-1], N)
 
 
+def launch_config(compute, N, K, block_k):
+    """``(BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages, K block)`` of one launch: :data:`CONFIGS`
+    of the compute dtype, never chosen from M. FP32 (``input_precision="ieee"``: Triton's FMA dot, one
+    fused multiply-add chain per output element in ascending k, which no tile shape changes) also
+    fits the tile to a skinny product: :data:`SKINNY_FP32` when N <= 32 (mHC's 24-column projection:
+    more programs over the long K), and a K shorter than ``block_k`` (its backward's K = 24) padded to
+    the next power of two instead of to ``block_k`` (one block either way; the skipped products are
+    of zero padding)."""
+    config = CONFIGS[compute]
+    if compute == torch.float32:
+        if N <= SKINNY_FP32[1] and config[1] > SKINNY_FP32[1]:
+            config = SKINNY_FP32
+        if K < block_k:
+            block_k = max(16, triton.next_power_of_2(K))
+    return (*config, block_k)
+
+
 def _launch(x2, w, bias, y, meta, M, N, K, E, tiles, grid_m, w_strides, y_strides, block_k, ragged=0):
     if x2.stride(1) != 1:
         # a transposed left operand (the weight gradients' dyᵀ) runs 2.5-3× slower in place on the
         # H200; a K-contiguous copy has the same values and the same K order
         x2 = x2.contiguous()
     compute = x2.dtype if x2.dtype == w.dtype else torch.float32
-    block_m, block_n, group_m, num_warps, num_stages = CONFIGS[compute]
+    # (ragged 2 reduces over each group's rows: K is not the launch's K there)
+    block_m, block_n, group_m, num_warps, num_stages, block_k = launch_config(
+        compute, N, K if ragged != 2 else block_k, block_k)
     if ragged == 0:
         grid_m = triton.cdiv(M, block_m)
     elif ragged == 2:
@@ -187,7 +208,7 @@ def bi_grouped_matmul(x, weight, starts, ends, out_dtype, block_k: int):
     if M == 0:
         return y
     compute = x.dtype if x.dtype == weight.dtype else torch.float32
-    meta = grouped_tile_map(starts, ends, M, CONFIGS[compute][0])
+    meta = grouped_tile_map(starts, ends, M, launch_config(compute, N, K, block_k)[0])
     tiles = meta.shape[1]
     _launch(x, weight, None, y, meta, M, N, K, E, tiles, tiles, weight.stride(), (0, *y.stride()), block_k, ragged=1)
     return y
