@@ -89,7 +89,7 @@ def _run(argv) -> int:
     lay.add_argument("--precision", choices=PRECISIONS, help="PrecisionConfig preset (default serving_aligned)")
     inv = ben.add_argument_group("bench invariance (also under all)")
     inv.add_argument("--parts", nargs="+", choices=INVARIANCE_PARTS,
-                     help="pieces, in this order, each under both configs (default: decode kda dsa)")
+                     help=f"pieces, in this order, each under both configs (default: {' '.join(INVARIANCE_PARTS)})")
     sub.add_parser("doctor", help="versions, usable back-ends, which kernel each op takes")
     cp_check.add_arguments(sub.add_parser(
         "cp-check", help="context parallel on N processes (gloo on CPU, NCCL on GPUs) against one rank"))

@@ -329,25 +329,27 @@ def test_bad_block_raises(kb):
 
 
 def _cuda_cases():
-    """(the skinny case's weight, [(name, op on CUDA, its reference on CPU, CPU input rows)])."""
+    """(name, op on CUDA, its reference on CPU, CPU input rows, its FP64 product or None). A case
+    with an FP64 product is one long FP32 FMA chain, measured against FP64 (see the test)."""
     bi = importlib.import_module("inductor_ext.ops.batch_invariant")
     w = _randn(1024, 4096, dtype=BF16, scale=4096**-0.5, seed=1)
     wv = _randn(8192, 1024, dtype=BF16, scale=1024**-0.5, seed=4)
     g = _randn(4096, dtype=BF16, seed=2) + 1
     wm = _randn(24, 16384, dtype=BF16, scale=16384**-0.5, seed=5)  # mHC's projection (SKINNY_FP32 tiles)
     wc, wvc, gc, wmc = w.cuda(), wv.cuda(), g.cuda(), wm.cuda()
-    return wm, [
+    return [
         ("linear-skinny-fp32", lambda x: bi.bi_linear(x, wmc, out_dtype=FP32),
-         lambda x: ref.bi_linear_reference(x, wm, None, FP32), _randn(64, 16384)),
+         lambda x: ref.bi_linear_reference(x, wm, None, FP32), _randn(64, 16384),
+         lambda x: x.double() @ wm.double().t()),
         ("linear-bf16", lambda x: bi.bi_linear(x, wc), lambda x: ref.bi_linear_reference(x, w, None, BF16),
-         _randn(64, 4096, dtype=BF16)),
+         _randn(64, 4096, dtype=BF16), None),
         ("linear-to-fp32", lambda x: bi.bi_linear(x, wvc, out_dtype=FP32),
-         lambda x: ref.bi_linear_reference(x, wv, None, FP32), _randn(64, 1024, dtype=BF16)),
+         lambda x: ref.bi_linear_reference(x, wv, None, FP32), _randn(64, 1024, dtype=BF16), None),
         ("rms_norm", lambda x: bi.bi_rms_norm(x, gc), lambda x: ref.bi_rms_norm_reference(x, g, 1e-6),
-         _randn(64, 4096, dtype=BF16)),
+         _randn(64, 4096, dtype=BF16), None),
         ("layer_norm", lambda x: bi.bi_layer_norm(x, gc, None), lambda x: ref.bi_layer_norm_reference(x, g, None, 1e-5),
-         _randn(64, 4096, dtype=BF16)),
-        ("log_softmax", bi.bi_log_softmax, ref.bi_log_softmax_reference, _randn(64, 8192, scale=4)),
+         _randn(64, 4096, dtype=BF16), None),
+        ("log_softmax", bi.bi_log_softmax, ref.bi_log_softmax_reference, _randn(64, 8192, scale=4), None),
     ]
 
 
@@ -356,20 +358,17 @@ def test_cuda_batch_invariant_and_close_to_reference():
     from inductor_ext import backends
 
     assert backends.available("triton"), "the cuda tests exercise the Triton kernels"
-    skinny_weight, cases = _cuda_cases()
-    for name, fn, reference, x in cases:
+    for name, fn, reference, x, fp64 in _cuda_cases():
         failures = check_batch_invariance(lambda rows, f=fn: f(rows.cuda()).cpu(), x)
         assert not failures, f"{name}: " + "; ".join(failures)
         got, want = fn(x.cuda()).cpu(), reference(x)
-        if name == "linear-skinny-fp32":
-            # one FMA chain over K = 16384 (the reference adds 64-term block sums): both against FP64,
-            # the chain within 2·eps·sqrt(K) (its rounding-error scale for random signs)
-            exact = x.double() @ skinny_weight.double().t()
+        if fp64 is not None:
+            # one FMA chain over the whole K (the reference adds 64-term block sums): both against
+            # FP64, the chain within 2·eps·sqrt(K) (its rounding-error scale for random signs)
+            exact = fp64(x)
             err, ref_err = rel_l2(got, exact), rel_l2(want, exact)
             bound = 2 * torch.finfo(FP32).eps * x.shape[1] ** 0.5
             assert err <= bound, f"{name}: relative L2 to FP64 {err:.2e} > {bound:.1e} (reference: {ref_err:.2e})"
-            print(f"{name}: relative L2 to FP64 {err:.2e}, reference {ref_err:.2e}, against {want.dtype} reference "
-                  f"{rel_l2(got, want):.2e}")
         elif got.dtype == FP32:
             err = rel_l2(got, want)
             assert err <= GPU_TOL["fp32"], f"{name}: relative L2 {err:.2e} > {GPU_TOL['fp32']:.0e}"

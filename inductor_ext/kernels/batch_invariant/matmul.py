@@ -144,7 +144,7 @@ def launch_config(compute, N, K, block_k):
     of zero padding)."""
     config = CONFIGS[compute]
     if compute == torch.float32:
-        if N <= SKINNY_FP32[1] and config[1] > SKINNY_FP32[1]:
+        if N <= SKINNY_FP32[1] and config[1] > SKINNY_FP32[1]:  # (narrower tiles only: a test's 16-wide stay)
             config = SKINNY_FP32
         if K < block_k:
             block_k = max(16, triton.next_power_of_2(K))
