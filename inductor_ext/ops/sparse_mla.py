@@ -144,8 +144,8 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
         scale: the score scale (GLM-5.3: ``qk_nope_head_dim ** -0.5``), a finite float.
         d_v: value width, ``1 <= d_v <= D``; ``None`` means D.
         return_lse: also return ``lse`` (differentiable).
-        deterministic: the backward's ``dkv`` is bitwise repeatable (CUDA: int64 fixed-point
-            atomics). ``False`` lets the CUDA kernel add FP32 tiles with FP32 atomics (faster,
+        deterministic: the backward's ``dkv`` is bitwise repeatable (CUDA: integer atomics into
+            an int32 fixed point with one scale per latent row). ``False`` lets the CUDA kernel add FP32 tiles with FP32 atomics (faster,
             order-dependent rounding). No effect on the forward or on the CPU.
 
     Returns:
@@ -156,10 +156,11 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
     computes everything in FP32; the CUDA forward feeds the probabilities to the value MMA rounded
     to the input dtype (one extra rounding per probability; measured ~1.1x the BF16 rounding floor
     of out against FP64). Gradients ``dq``, ``dkv`` (in q's / kv's dtype) are accumulated in
-    FP32 (CUDA dkv: int64 fixed point, finer than FP32) and rounded once; ``token_ids`` get none.
+    FP32 (CUDA dkv: fixed point at 2^-29 of each row's bound, measured ~2^-15 of an element) and
+    rounded once; ``token_ids`` get none.
     Memory: nothing ``[T, S]`` is ever built; the CPU kernel works on chunks of query rows
-    (:data:`~inductor_ext.ops.sparse_mla_reference.CHUNK_BYTES`), the CUDA backward holds one
-    ``[S, D]`` int64 accumulator.
+    (:data:`~inductor_ext.ops.sparse_mla_reference.CHUNK_BYTES`), the CUDA backward holds an
+    ``[S, D]`` accumulator of 4 bytes an element.
     """
     if isinstance(kv, torch.Tensor) and kv.dim() == 2 and d_v is None:
         d_v = kv.shape[1]

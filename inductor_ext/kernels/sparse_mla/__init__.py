@@ -1,12 +1,12 @@
 """CUDA kernels of ``glm53::sparse_mla``: Triton :func:`sparse_mla_fwd` (``forward.py``) and
-:func:`sparse_mla_bwd` (``backward.py``, deterministic int64 fixed-point ``dkv``); the TileLang
+:func:`sparse_mla_bwd` (``backward.py``, deterministic fixed-point ``dkv``); the TileLang
 forward for sm_90 lives in ``tilelang_forward.py`` (imported on its own: it needs the ``tilelang``
 extra when a kernel is built).
 
 The modules import only torch and triton, so a GPU machine can load them by path without the
 package (``importlib.util.spec_from_file_location``)."""
 
-from .backward import fixed_point_scale, sparse_mla_bwd
+from .backward import fixed_point_scale, row_scales, sparse_mla_bwd
 from .forward import sparse_mla_fwd
 
-__all__ = ["sparse_mla_fwd", "sparse_mla_bwd", "fixed_point_scale"]
+__all__ = ["sparse_mla_fwd", "sparse_mla_bwd", "fixed_point_scale", "row_scales"]

@@ -14,37 +14,45 @@ program, and each block of ``BLOCK_N`` listed ids is one gather of ``[BLOCK_N, D
 ``ds`` and ``p`` enter the MMAs rounded to the input dtype. ``dq`` is rounded once at the end.
 
 Determinism: ``dk`` tiles of different queries hit the same latent rows, so they are added into
-one accumulator with atomics, but **integer** ones: the accumulator is int64 fixed point
-``[S, D]`` and integer addition is associative, so the sum (and ``dkv``) is bitwise the same in
-any order, run to run. Scaling (:func:`fixed_point_scale`, on the device, no host sync): every
-partial sum of a ``dkv`` element is at most
+one accumulator with atomics, but **integer** ones: int32 fixed point with one scale per latent row,
+and integer addition is associative, so the sum (and ``dkv``) is bitwise the same in any order, run
+to run. Two elements share one int64 word (column ``c`` of chunks ``2i`` and ``2i + 1``, the
+accumulator ``[S, ceil(NC/2), DC]``): the word ``hi · 2^32 + lo`` (lo sign-extended) is added as one
+integer, which halves the atomics (Hopper has vector atomics for floats only). The low field's
+carries land in the high field; since the low field's sum stays inside int32, the word's low 32 bits
+are that sum and ``(word − lo) >> 32`` the high field's.
 
-    B = Σ_{t,h} [ |scale| · max_d|q[t,h]| · (2 · d_v · max|dO[t,h]| · max|kv[:, :d_v]| + |dlse[t,h]|)
-                 + max|dO[t,h]| ]
+Each row's scale comes from a bound the ``dq`` pass computes on the way (no host sync): for every
+listed slot ``(t, j)`` it has ``p`` and ``ds`` of all heads, so
 
-in magnitude (``|ds| ≤ |scale| · p · (|dp| + |delta| + |dlse|)`` with ``Σ_j p_j = 1`` over a
-row's positions; ``|dp|, |Σ dO·out| ≤ ‖dO‖·max‖v‖ ≤ d_v · max|dO| · max|kv|``; ``Σ_j p_j ≤ 1``
-for the value term). The contributions are scaled by ``2^F``, ``F = floor(60 − log2 B)`` (clamped
-to [-120, 240]; applied as two exact power-of-two factors), and rounded to the nearest integer
-(halves away from zero): the accumulator stays below ``2^60 · (1 + rounding)`` < 2^63, 3 bits of
-margin for the bf16 rounding of ds/p and the MMAs' FP32 sums. The quantum ``2^-F`` is ~2^-60 of
-the bound, far below an FP32 ulp of any element within ~2^30 of it; each add errs by at most half
-a quantum. ``dkv = fp32(acc) · 2^-F`` rounded to kv's dtype (int64 → fp32 → dtype: one extra
-round-to-nearest step on the FP32 value).
-Non-finite q, dO or dlse make the scale meaningless (dkv then undefined, not NaN).
+    c[t, j] = Σ_h |ds[h, j]| · max_d|q[t, h]| + p[h, j] · max_d|dO[t, h]|
+
+(the sum over heads as two small MMAs) bounds that slot's contribution to every element of its row
+``s = ids[t, j]``, and ``B_s = Σ_{(t, j) → s} c[t, j]`` bounds every partial sum of row s. The
+``c`` are summed into an int64 ``[S]`` accumulator, rounded up, in a fixed point whose scale
+(:func:`fixed_point_scale`) comes from a bound on their total, ``Σ_{t,h} |scale| · max|q[t,h]| ·
+(2 · d_v · max|dO[t,h]| · max|kv[:, :d_v]| + |dlse[t,h]|) + max|dO[t,h]|`` (``Σ_j p_j = 1`` per
+head, ``|dp|, |Σ dO·out| ≤ d_v · max|dO| · max|kv|``), scaled to 2^60: integer again, so ``B_s``
+is deterministic too. Row s then scales its contributions by ``2^F_s``, ``F_s = floor(29 −
+log2 B_s)`` (clamped to [-250, 250]; two exact power-of-two factors), and rounds them to the
+nearest integer (halves away from zero): each field stays below ``2^29 · (1 + rounding)`` < 2^31,
+two bits of margin for the bf16 rounding of ds/p, the MMAs' FP32 sums and the two passes' different
+tilings. The quantum is ``2^-29 · B_s``; each add errs by at most half of it. ``B_s`` exceeds the
+row's elements by the cancellations over heads and queries, so the error is about 2^-15 of an
+element at the benchmark geometry (``notes/sparse-mla.md``): coarser than FP32 atomics, far below
+the BF16 rounding of ``dkv``. ``dkv = fp32(field) · 2^-F_s`` rounded to kv's dtype. A bound per row
+keeps a rarely picked row as precise as a popular one; non-finite q, dO or dlse make the scales
+meaningless (dkv then undefined, not NaN).
 
 ``deterministic=False`` adds FP32 tiles with FP32 atomics instead (order-dependent rounding, not
-bitwise repeatable). H200, T = 8192, H = 64, D = d_v = 512, 2051 causal random ids (CUDA-graph
-replay, p50): dq pass 17.5 ms; dkv pass 46.5 ms with int64 atomics, 18.9 ms with FP32 atomics
-(26.7 ms at 8 warps with no atomics at all: the int64 conversion and 8-byte atomics cost ~20 ms);
-both passes 63.0 ms (int64) / 35.5 ms (FP32 atomics).
+bitwise repeatable; no bound).
 
-Launches: a ``dq`` pass (no atomics, dq in FP32 registers) then a ``dkv`` pass (recomputes s, p, dp;
-no dq accumulator, so fewer registers); ``fused=True`` runs one pass doing both (H200: 101.6 ms
-against 64.9 ms for the two passes at the geometry above, from register spills).
+Launches: a ``dq`` pass (no floating-point atomics; dq in FP32 registers; the row bounds) then a
+``dkv`` pass (recomputes s, p, dp; no dq accumulator, so fewer registers). Measurements:
+``notes/sparse-mla.md``.
 
-Memory: the ``[S, D]`` accumulator (8 bytes an element), ``dq``, ``dkv``; nothing ``[T, S]``.
-No host synchronisation: CUDA-graph safe.
+Memory: the accumulator (4 bytes an element, D padded to whole chunk pairs), ``[S]`` bounds and
+scales, ``dq``, ``dkv``; nothing ``[T, S]``. No host synchronisation: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -70,9 +78,11 @@ except ImportError:  # pragma: no cover - standalone load
     LOG2E, _dot_precision, _idx32, _load_tile, _valid_span, chunking = (
         _fwd.LOG2E, _fwd._dot_precision, _fwd._idx32, _fwd._load_tile, _fwd._valid_span, _fwd.chunking)
 
-__all__ = ["sparse_mla_bwd", "fixed_point_scale", "bwd_config", "FIXED_POINT_HEADROOM_BITS"]
+__all__ = ["sparse_mla_bwd", "fixed_point_scale", "row_scales", "bwd_config"]
 
-FIXED_POINT_HEADROOM_BITS = 60  # the bound B is scaled to at most 2^60 (int64 holds 2^63 - 1)
+BOUND_HEADROOM_BITS = 60  # the total of the slot bounds is scaled to at most 2^60 (int64 holds 2^63 - 1)
+ROW_HEADROOM_BITS = 29  # a row's bound B_s is scaled to at most 2^29 (int32 holds 2^31 - 1)
+ROW_EXPONENT_LIMIT = 250  # |F_s| clamp: two factors of at most 2^125 each stay FP32 normals
 
 
 def bwd_config(H: int, D: int, d_v: int) -> dict:
@@ -84,25 +94,44 @@ def bwd_config(H: int, D: int, d_v: int) -> dict:
 
 
 @triton.jit
-def _scatter_add(acc_ptr, rows, valid, cb, dk, fx, fx2, D: tl.constexpr, DC: tl.constexpr, FIXED: tl.constexpr,
-                 SCATTER: tl.constexpr):
-    """acc[rows, cb : cb + DC] += dk (int64 fixed point ``round(dk · fx · fx2)``, or FP32)."""
+def _to_fixed(dk, fa, fb):
+    """``round(dk · fa · fb)`` as int32 (per-row factors ``fa``, ``fb``; halves away from zero)."""
+    x = (dk * fa[:, None]) * fb[:, None]
+    return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int32)
+
+
+@triton.jit
+def _pack(lo, hi):
+    """One int64 word holding two int32 fields: ``hi · 2^32 + lo`` (lo sign-extended)."""
+    return (hi.to(tl.int64) << 32) + lo.to(tl.int64)
+
+
+@triton.jit
+def _add_words(acc_ptr, rows, valid, pair, w, NP: tl.constexpr, DC: tl.constexpr, SCATTER: tl.constexpr):
+    """acc[rows, pair, :] += w (int64 words, the accumulator ``[S, NP, DC]``)."""
+    ptrs = acc_ptr + rows[:, None] * (NP * DC) + pair * DC + tl.arange(0, DC)[None, :]
+    if SCATTER:
+        tl.atomic_add(ptrs, w, mask=valid[:, None], sem="relaxed")
+    else:  # benchmark knob: keep the dk MMAs, skip the atomics (a store that never fires)
+        tl.store(ptrs, w, mask=valid[:, None] & (w == 12345) & (rows[:, None] < 0))
+
+
+@triton.jit
+def _add_fp32(acc_ptr, rows, valid, cb, dk, D: tl.constexpr, DC: tl.constexpr, SCATTER: tl.constexpr):
+    """acc[rows, cb : cb + DC] += dk (FP32 atomics, the accumulator ``[S, D]``)."""
     cols = cb + tl.arange(0, DC)
     ptrs = acc_ptr + rows[:, None] * D + cols[None, :]
     mask = valid[:, None] & (cols < D)[None, :]
-    if not SCATTER:  # benchmark knob: keep the dk MMAs, skip the atomics (a store that never fires)
-        tl.store(ptrs, dk.to(acc_ptr.dtype.element_ty), mask=mask & (dk != dk) & (rows[:, None] < 0))
-    elif FIXED:
-        x = (dk * fx) * fx2
-        x = tl.where(x >= 0, x + 0.5, x - 0.5)
-        tl.atomic_add(ptrs, x.to(tl.int64), mask=mask, sem="relaxed")
-    else:
+    if SCATTER:
         tl.atomic_add(ptrs, dk, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, dk, mask=mask & (dk != dk) & (rows[:, None] < 0))
 
 
 @triton.jit
 def _sparse_mla_bwd_kernel(
-    q_ptr, kv_ptr, ids_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, dq_ptr, acc_ptr, fx_ptr,
+    q_ptr, kv_ptr, ids_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, dq_ptr, acc_ptr, qmax_ptr, gmax_ptr,
+    bound_ptr, fx_ptr, rowfx_ptr,
     T, H, W, S, qk_scale, scale,
     s_qt, s_qh, s_kv, s_it, s_ot, s_oh, s_dot, s_doh, s_lt, s_dlt, s_dqt, s_dqh,
     D: tl.constexpr, DV: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, NV: tl.constexpr,
@@ -111,6 +140,8 @@ def _sparse_mla_bwd_kernel(
     SCATTER: tl.constexpr, DQ: tl.constexpr, DKV: tl.constexpr, PREFETCH: tl.constexpr,
     IDX32: tl.constexpr,
 ):
+    """One launch is the ``dq`` pass (``DQ``; with ``FIXED`` it also adds the slot bounds into
+    ``bound_ptr``) or the ``dkv`` pass (``DKV``), never both: the dkv pass needs every row's scale."""
     pid = tl.program_id(0)
     t = T - 1 - pid // NUM_HG
     hg = pid % NUM_HG
@@ -156,12 +187,16 @@ def _sparse_mla_bwd_kernel(
     delta -= tl.load(dlse_ptr + t64 * s_dlt + heads, mask=hmask, other=0.0)
     # padded heads: lse = +inf, so p = 0
     lse2 = tl.load(lse_ptr + t64 * s_lt + heads, mask=hmask, other=float("inf")) * 1.4426950408889634
-    if FIXED:
+    BOUND: tl.constexpr = DQ and FIXED
+    NP: tl.constexpr = (NC + 1) // 2
+    if BOUND:  # the per-head maxima as MMA operands (exact in q's dtype: maxima of its values)
+        dt_in = q0.dtype
+        qmax = tl.load(qmax_ptr + t64 * H + heads, mask=hmask, other=0.0).to(dt_in)
+        gmax = tl.load(gmax_ptr + t64 * H + heads, mask=hmask, other=0.0).to(dt_in)
+        qm = tl.broadcast_to(qmax[:, None], [BLOCK_H, 16])
+        gm = tl.broadcast_to(gmax[:, None], [BLOCK_H, 16])
         fx = tl.load(fx_ptr)
         fx2 = tl.load(fx_ptr + 1)
-    else:
-        fx = 1.0
-        fx2 = 1.0
 
     if PREFETCH:
         offs = n_lo + tl.arange(0, BLOCK_N)
@@ -201,6 +236,11 @@ def _sparse_mla_bwd_kernel(
         p = tl.where(valid[None, :], p, 0.0)
         ds = p * (dp - delta[:, None]) * scale
         dsb = ds.to(k0.dtype)
+        if BOUND:  # c[j] of the module doc (the sum over heads by MMA), rounded up into the row bounds
+            cT = tl.dot(tl.trans(tl.abs(dsb)), qm, input_precision=DOT_PREC)
+            cT = tl.dot(tl.trans(p.to(dt_in)), gm, cT, input_precision=DOT_PREC)
+            c = tl.max(cT, 1)  # the 16 columns are equal
+            tl.atomic_add(bound_ptr + rows, tl.ceil((c * fx) * fx2).to(tl.int64), mask=valid, sem="relaxed")
         if DQ:
             dq0 = tl.dot(dsb, k0, dq0, input_precision=DOT_PREC)
             if NC > 1:
@@ -210,26 +250,48 @@ def _sparse_mla_bwd_kernel(
             if NC > 3:
                 dq3 = tl.dot(dsb, k3, dq3, input_precision=DOT_PREC)
         if DKV:
+            if FIXED:
+                fa = tl.load(rowfx_ptr + rows * 2, mask=valid, other=0.0)
+                fb = tl.load(rowfx_ptr + rows * 2 + 1, mask=valid, other=0.0)
+            else:
+                fa = tl.zeros([BLOCK_N], dtype=tl.float32)
+                fb = fa
             dsT = tl.trans(dsb)
             pT = tl.trans(p.to(k0.dtype))
             dk = tl.dot(dsT, q0, input_precision=DOT_PREC)
             dk = tl.dot(pT, do0, dk, input_precision=DOT_PREC)
-            _scatter_add(acc_ptr, rows, valid, 0, dk, fx, fx2, D, DC, FIXED, SCATTER)
+            if FIXED:  # chunks 2i and 2i+1 share one int64 word per element pair
+                x0 = _to_fixed(dk, fa, fb)
+                if NC == 1:
+                    _add_words(acc_ptr, rows, valid, 0, x0.to(tl.int64), NP, DC, SCATTER)
+            else:
+                _add_fp32(acc_ptr, rows, valid, 0, dk, D, DC, SCATTER)
             if NC > 1:
                 dk = tl.dot(dsT, q1, input_precision=DOT_PREC)
                 if NV > 1:
                     dk = tl.dot(pT, do1, dk, input_precision=DOT_PREC)
-                _scatter_add(acc_ptr, rows, valid, DC, dk, fx, fx2, D, DC, FIXED, SCATTER)
+                if FIXED:
+                    _add_words(acc_ptr, rows, valid, 0, _pack(x0, _to_fixed(dk, fa, fb)), NP, DC, SCATTER)
+                else:
+                    _add_fp32(acc_ptr, rows, valid, DC, dk, D, DC, SCATTER)
             if NC > 2:
                 dk = tl.dot(dsT, q2, input_precision=DOT_PREC)
                 if NV > 2:
                     dk = tl.dot(pT, do2, dk, input_precision=DOT_PREC)
-                _scatter_add(acc_ptr, rows, valid, 2 * DC, dk, fx, fx2, D, DC, FIXED, SCATTER)
+                if FIXED:
+                    x2 = _to_fixed(dk, fa, fb)
+                    if NC == 3:
+                        _add_words(acc_ptr, rows, valid, 1, x2.to(tl.int64), NP, DC, SCATTER)
+                else:
+                    _add_fp32(acc_ptr, rows, valid, 2 * DC, dk, D, DC, SCATTER)
             if NC > 3:
                 dk = tl.dot(dsT, q3, input_precision=DOT_PREC)
                 if NV > 3:
                     dk = tl.dot(pT, do3, dk, input_precision=DOT_PREC)
-                _scatter_add(acc_ptr, rows, valid, 3 * DC, dk, fx, fx2, D, DC, FIXED, SCATTER)
+                if FIXED:
+                    _add_words(acc_ptr, rows, valid, 1, _pack(x2, _to_fixed(dk, fa, fb)), NP, DC, SCATTER)
+                else:
+                    _add_fp32(acc_ptr, rows, valid, 3 * DC, dk, D, DC, SCATTER)
 
     if DQ:
         dq_row = dq_ptr + t64 * s_dqt + heads[:, None] * s_dqh
@@ -245,11 +307,19 @@ def _sparse_mla_bwd_kernel(
 
 
 @triton.jit
-def _fixed_to_float_kernel(acc_ptr, out_ptr, inv_ptr, N, BLOCK: tl.constexpr):
+def _fixed_to_float_kernel(acc_ptr, out_ptr, inv_ptr, N, D: tl.constexpr, DC: tl.constexpr, NP: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """out[s, d] = field of acc[s, d // DC // 2, d % DC] (low for even chunks) · 2^-F_s."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    acc = tl.load(acc_ptr + offs, mask=mask, other=0)
-    x = (acc.to(tl.float32) * tl.load(inv_ptr)) * tl.load(inv_ptr + 1)
+    row = offs // D
+    chunk = (offs % D) // DC
+    w = tl.load(acc_ptr + row * (NP * DC) + (chunk // 2) * DC + offs % DC, mask=mask, other=0)
+    lo = w.to(tl.int32)  # the low field's sum stays in int32 range, so the low 32 bits are it
+    hi = ((w - lo.to(tl.int64)) >> 32).to(tl.int32)
+    acc = tl.where(chunk % 2 == 0, lo, hi)
+    x = (acc.to(tl.float32) * tl.load(inv_ptr + row * 2, mask=mask, other=0.0)) * tl.load(
+        inv_ptr + row * 2 + 1, mask=mask, other=0.0)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -261,33 +331,48 @@ def _absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
     return torch.maximum(-lo.double(), hi.double())
 
 
-def fixed_point_scale(q, kv, dout, dlse, scale, d_v):
-    """``(fx, inv)``: 2-element FP32 tensors whose products are ``2^F`` and ``2^-F`` for the int64
-    accumulator (module doc), computed on the device from element-wise maxima (no host
-    synchronisation). F is clamped to [-120, 240]; each factor is a power of two within FP32's
-    normal range, so scaling by the pair is exact."""
-    qmax = _absmax(q, -1)  # [T, H]
-    gmax = _absmax(dout, -1)  # [T, H]
-    kvmax = _absmax(kv[:, :d_v])
-    bound = (abs(float(scale)) * qmax * (2.0 * d_v * gmax * kvmax + dlse.double().abs()) + gmax).sum()
-    f = torch.floor(FIXED_POINT_HEADROOM_BITS - torch.log2(bound))
-    f = torch.nan_to_num(f, nan=0.0).clamp(-120.0, 240.0)
+def _power_pair(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2^f, 2^-f)`` as two FP32 factors each (last dim 2) for integer-valued ``f`` in
+    [-250, 250]: each factor is a power of two within FP32's normal range, so scaling by the pair
+    is exact."""
     half = torch.floor(f / 2)
-    parts = torch.stack((half, f - half))
+    parts = torch.stack((half, f - half), dim=-1)
     return torch.exp2(parts).float(), torch.exp2(-parts).float()
 
 
-def sparse_mla_bwd(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, *, deterministic=True, fused=False,
+def fixed_point_scale(q, kv, dout, dlse, scale, d_v, qmax=None, gmax=None):
+    """``(fx, inv)``: 2-element FP32 tensors whose products are ``2^F`` and ``2^-F`` for the int64
+    accumulator of the row bounds (module doc), computed on the device from element-wise maxima
+    (no host synchronisation). ``qmax`` / ``gmax``: precomputed ``max_d |q|`` / ``max_d |dO|``
+    ``[T, H]``. F is clamped to [-120, 240]."""
+    qmax = _absmax(q, -1) if qmax is None else qmax.double()
+    gmax = _absmax(dout, -1) if gmax is None else gmax.double()
+    kvmax = _absmax(kv[:, :d_v])
+    bound = (abs(float(scale)) * qmax * (2.0 * d_v * gmax * kvmax + dlse.double().abs()) + gmax).sum()
+    f = torch.floor(BOUND_HEADROOM_BITS - torch.log2(bound))
+    return _power_pair(torch.nan_to_num(f, nan=0.0).clamp(-120.0, 240.0))
+
+
+def row_scales(bound_acc: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fx, inv)`` ``[S, 2]`` FP32: per latent row the factors ``2^F_s`` and ``2^-F_s`` of its
+    int32 accumulator, from the int64 row bounds and their scale's inverse ``inv`` (module doc)."""
+    b = bound_acc.double() * inv.double().prod()
+    f = torch.floor(ROW_HEADROOM_BITS - torch.log2(b))
+    f = torch.nan_to_num(f, nan=0.0, posinf=ROW_EXPONENT_LIMIT).clamp(-ROW_EXPONENT_LIMIT, ROW_EXPONENT_LIMIT)
+    return _power_pair(f)
+
+
+def sparse_mla_bwd(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, *, deterministic=True,
                    dq_config=None, dkv_config=None, chunk=None, scatter=True, passes=("dq", "dkv")):
     """``(dq [T, H, D] q.dtype, dkv [S, D] kv.dtype)`` of ``glm53::sparse_mla`` given the forward's
     ``out``, ``lse`` and the output gradients ``dout [T, H, d_v]``, ``dlse [T, H]`` (module doc).
 
-    Two launches of one kernel by default: a ``dq`` pass (no atomics) and a ``dkv`` pass (recomputes
-    ``s``, ``p``, ``dp``; int64 atomics), each with its own registers and shared memory;
-    ``fused=True`` does both in one pass (``dq_config`` sets its launch). ``dq_config`` /
-    ``dkv_config`` override :func:`bwd_config` (keys block_n, num_warps, num_stages, prefetch).
-    ``scatter=False`` and ``passes`` (a subset of ``("dq", "dkv")``) are benchmark knobs: the dkv
-    pass skips its atomics / only the named passes run (the other results are then wrong)."""
+    Two launches of one kernel: a ``dq`` pass (no floating-point atomics; the row bounds) and a
+    ``dkv`` pass (recomputes ``s``, ``p``, ``dp``; int32 atomics), each with its own registers and
+    shared memory. ``dq_config`` / ``dkv_config`` override :func:`bwd_config` (keys block_n,
+    num_warps, num_stages, prefetch, idx32). ``scatter=False`` and ``passes`` (a subset of
+    ``("dq", "dkv")``) are benchmark knobs: the dkv pass skips its atomics / only the named passes
+    run (the other results are then wrong)."""
     T, H, D = q.shape
     S, W = kv.shape[0], token_ids.shape[1]
     d_v = int(d_v)
@@ -305,18 +390,22 @@ def sparse_mla_bwd(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, *, determ
     block_h = min(64, max(16, triton.next_power_of_2(H)))
     num_hg = triton.cdiv(H, block_h)
     if deterministic:
-        acc = torch.zeros((S, D), dtype=torch.int64, device=kv.device)
-        fx, inv = fixed_point_scale(q, kv, dout, dlse, scale, d_v)
+        acc = torch.zeros((S, triton.cdiv(nc, 2), dc), dtype=torch.int64, device=kv.device)
+        qmax, gmax = _absmax(q, -1).float(), _absmax(dout, -1).float()
+        fx, inv = fixed_point_scale(q, kv, dout, dlse, scale, d_v, qmax, gmax)
+        bound = torch.zeros((S,), dtype=torch.int64, device=kv.device)
     else:
         acc = torch.zeros((S, D), dtype=torch.float32, device=kv.device)
-        fx = inv = None
-    launches = [("dq", True, True)] if fused else [("dq", True, False), ("dkv", False, True)]
-    for name, do_dq, do_dkv in launches:
-        if not fused and name not in passes:
+        qmax = gmax = fx = inv = bound = acc
+    rowfx = acc
+    for name, do_dq, do_dkv in (("dq", True, False), ("dkv", False, True)):
+        if do_dkv and deterministic:
+            rowfx, rowinv = row_scales(bound, inv)
+        if name not in passes:
             continue
         c = cfg[name]
         _sparse_mla_bwd_kernel[(T * num_hg,)](
-            q, kv, token_ids, out, dout, lse, dlse, dq, acc, fx if deterministic else acc,
+            q, kv, token_ids, out, dout, lse, dlse, dq, acc, qmax, gmax, bound, fx, rowfx,
             T, H, W, S, float(scale) * LOG2E, float(scale),
             q.stride(0), q.stride(1), kv.stride(0), token_ids.stride(0), out.stride(0), out.stride(1),
             dout.stride(0), dout.stride(1), lse.stride(0), dlse.stride(0), dq.stride(0), dq.stride(1),
@@ -328,9 +417,10 @@ def sparse_mla_bwd(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, *, determ
             num_warps=int(c["num_warps"]), num_stages=int(c["num_stages"]),
         )
     if deterministic:
-        n = acc.numel()
+        n = dkv.numel()
         block = 1024
-        _fixed_to_float_kernel[(triton.cdiv(n, block),)](acc, dkv, inv, n, BLOCK=block)
+        _fixed_to_float_kernel[(triton.cdiv(n, block),)](acc, dkv, rowinv, n, D=D, DC=dc, NP=acc.shape[1],
+                                                         BLOCK=block)
     else:
         dkv.copy_(acc)
     return dq, dkv
