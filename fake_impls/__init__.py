@@ -17,6 +17,7 @@ from fake_impls import (
     kpool,
     layer_norm_fp32,
     mhc,
+    mhc_batch_invariant,
     round_to,
     sparse_mla,
     swiglu,
@@ -24,7 +25,8 @@ from fake_impls import (
 
 __all__ = ["FAMILIES", "register_all"]
 
-FAMILIES = (batch_invariant, fp32_linear, fp8_qdq, kda, kpool, layer_norm_fp32, mhc, round_to, sparse_mla, swiglu)
+FAMILIES = (batch_invariant, fp32_linear, fp8_qdq, kda, kpool, layer_norm_fp32, mhc, mhc_batch_invariant, round_to,
+            sparse_mla, swiglu)
 _registered: set[str] = set()
 
 

@@ -1,12 +1,13 @@
 """Public entry points of the ``glm53`` ops: thin wrappers over ``torch.ops.glm53.*``.
 
 One module per op family (``kda``, ``kpool``, ``fp32_linear``, ``layer_norm_fp32``, ``swiglu``,
-``fp8_qdq``, ``mhc``, ``round_to``, ``sparse_mla``, ``batch_invariant``), each holding the family's
-schemas, kernels, autograd and public wrapper; this package re-exports the wrappers. Each wrapper
-checks its inputs (``ValueError`` naming the rule), resolves a precision argument left ``None`` from
-the active :class:`~inductor_ext.PrecisionConfig` while tracing (so the choice is a literal in the
-graph) and calls the op. Data-dependent checks (finite gates, sorted offsets) synchronise with the
-host, so they run only in eager mode: never while Dynamo traces or a CUDA graph is captured.
+``fp8_qdq``, ``mhc``, ``mhc_batch_invariant``, ``round_to``, ``sparse_mla``, ``batch_invariant``),
+each holding the family's schemas, kernels, autograd and public wrapper; this package re-exports the
+wrappers. Each wrapper checks its inputs (``ValueError`` naming the rule), resolves a precision
+argument left ``None`` from the active :class:`~inductor_ext.PrecisionConfig` while tracing (so the
+choice is a literal in the graph) and calls the op. Data-dependent checks (finite gates, sorted
+offsets) synchronise with the host, so they run only in eager mode: never while Dynamo traces or a
+CUDA graph is captured.
 Importing this package defines every op and then registers the fake kernels of :mod:`fake_impls`."""
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from inductor_ext.ops.kpool import (
 )
 from inductor_ext.ops.kpool_pipeline import kpool_indexer
 from inductor_ext.ops.layer_norm_fp32 import layer_norm_fp32
-from inductor_ext.ops.mhc import mhc_post, mhc_post_batch_invariant, mhc_pre, mhc_pre_batch_invariant
+from inductor_ext.ops.mhc import mhc_post, mhc_pre
+from inductor_ext.ops.mhc_batch_invariant import bi_mhc_coefficients, mhc_post_batch_invariant, mhc_pre_batch_invariant
 from inductor_ext.ops.sparse_mla import sparse_mla
 from inductor_ext.ops.swiglu import swiglu
 
@@ -65,4 +67,5 @@ __all__ = [
     "bi_layer_norm",
     "bi_log_softmax",
     "bi_row_sum",
+    "bi_mhc_coefficients",
 ]

@@ -24,21 +24,26 @@ rounded once to its input's dtype.
 (post and comb rounded to it, product and matmul rounded, then the sum rounded); its backward is
 the chain of autograd formulas transformers gets. ``"fp32"``: computed in FP32, one rounding; the
 backward in FP32, one rounding per gradient.
+
+The batch-invariant variants (``PrecisionConfig.batch_invariant``) live in
+:mod:`inductor_ext.ops.mhc_batch_invariant`; they share :func:`coefficients_from_projection` and
+:func:`coefficient_vjp` with these ops.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from inductor_ext.config import MHC_POST_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
-from inductor_ext.ops.batch_invariant import bi_linear, bi_row_sum
-from inductor_ext.ops.ordered import ordered_softmax, ordered_sum
+from inductor_ext.ops.ordered import ordered_softmax, ordered_sum, positionwise
 
-__all__ = ["mhc_pre", "mhc_post", "mhc_pre_batch_invariant", "mhc_post_batch_invariant", "PRECISIONS",
-           "mhc_pre_reference", "mhc_post_reference", "validate_mhc_pre_inputs",
-           "validate_mhc_post_inputs"]
+__all__ = ["mhc_pre", "mhc_post", "PRECISIONS", "mhc_pre_reference", "mhc_post_reference",
+           "validate_mhc_pre_inputs", "validate_mhc_post_inputs", "coefficients_from_projection",
+           "coefficient_vjp"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -92,24 +97,29 @@ def validate_mhc_post_inputs(f, residual, post, comb, precision) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _coefficients(x, fn, base, scale, norm_eps, hc_eps, iters, invariant: bool = False):
-    """FP32 forward up to the coefficients; also returns what the backward needs. ``invariant``:
-    the batch-invariant reductions (see the module docstring)."""
-    N = x.shape[-2]
+def _coefficients(x, fn, base, scale, norm_eps, hc_eps, iters):
+    """FP32 forward up to the coefficients; also returns what the backward needs."""
     flat = x.reshape(*x.shape[:-2], -1).float()
-    if invariant:
-        mean_square = bi_row_sum(flat.square()).unsqueeze(-1) / flat.shape[-1]
-    else:
-        mean_square = flat.square().mean(-1, keepdim=True)
-    rstd = torch.rsqrt(mean_square + norm_eps)
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     z = flat * rstd
-    proj = bi_linear(z, fn, out_dtype=torch.float32) if invariant else F.linear(z, fn.float())
+    pre, post, comb, saved = coefficients_from_projection(F.linear(z, fn.float()), base, scale, hc_eps, iters)
+    return pre, post, comb, (flat, rstd, z, saved)
+
+
+def coefficients_from_projection(proj, base, scale, hc_eps, iters, invariant: bool = False):
+    """``(pre, post, comb, saved)`` in FP32 from the projection ``proj = z · fnᵀ`` ``[..., (2+N)·N]``
+    (the module docstring's formulas); ``saved`` is what :func:`coefficient_vjp` needs.
+    ``invariant``: the short reductions (softmax, Sinkhorn sums) as ordered chains and the
+    sigmoids / exp :func:`~inductor_ext.ops.ordered.positionwise`."""
+    N = _streams(proj.shape[-1])
+    proj = proj.float()
     pre_w, post_w, comb_w = proj.split([N, N, N * N], -1)
     pre_b, post_b, comb_b = base.float().split([N, N, N * N])
     s = scale.float()
     comb_w = comb_w.unflatten(-1, (N, N))
-    pre_sig = torch.sigmoid(pre_w * s[0] + pre_b)
-    post_sig = torch.sigmoid(post_w * s[1] + post_b)
+    sigmoid = functools.partial(positionwise, torch.sigmoid) if invariant else torch.sigmoid
+    pre_sig = sigmoid(pre_w * s[0] + pre_b)
+    post_sig = sigmoid(post_w * s[1] + post_b)
     logits = comb_w * s[2] + comb_b.view(N, N)
     probs = ordered_softmax(logits) if invariant else torch.softmax(logits, dim=-1)
     comb = probs + hc_eps
@@ -118,8 +128,32 @@ def _coefficients(x, fn, base, scale, norm_eps, hc_eps, iters, invariant: bool =
         denom = (ordered_sum(comb, dim, keepdim=True) if invariant else comb.sum(dim=dim, keepdim=True)) + hc_eps
         comb = comb / denom
         steps.append((comb, denom, dim))
-    saved = (flat, rstd, z, pre_w, post_w, comb_w, pre_sig, post_sig, probs, steps)
+    saved = (s, pre_w, post_w, comb_w, pre_sig, post_sig, probs, steps)
     return pre_sig + hc_eps, 2 * post_sig, comb, saved
+
+
+def coefficient_vjp(saved, dpre, dpost, dcomb):
+    """FP32 ``(dproj [..., (2+N)·N], dbase [(2+N)·N], dscale [3])`` of
+    :func:`coefficients_from_projection` from its ``saved`` and the outputs' gradients."""
+    s, pre_w, post_w, comb_w, pre_sig, post_sig, probs, steps = saved
+    dc = dcomb.float()
+    for y, denom, dim in reversed(steps):  # y = c / (Σ_dim c + eps)  =>  dc = (dy − Σ_dim dy·y) / denom
+        dc = (dc - (dc * y).sum(dim=dim, keepdim=True)) / denom
+    dlogit = probs * (dc - (dc * probs).sum(-1, keepdim=True))
+    da_pre = dpre.float() * pre_sig * (1 - pre_sig)
+    da_post = dpost.float() * 2 * post_sig * (1 - post_sig)
+    dproj = torch.cat([da_pre * s[0], da_post * s[1], (dlogit * s[2]).flatten(-2)], -1)
+    dscale = torch.stack([(da_pre * pre_w).sum(), (da_post * post_w).sum(), (dlogit * comb_w).sum()])
+    dbase = torch.cat([da_pre, da_post, dlogit.flatten(-2)], -1).reshape(-1, dproj.shape[-1]).sum(0)
+    return dproj, dbase, dscale
+
+
+def _streams(width: int) -> int:
+    """N from the projection width (2+N)·N."""
+    n = int(round((1 + width) ** 0.5 - 1))
+    if (2 + n) * n != width:
+        raise ValueError(f"mhc: a projection of width {width} is not (2+N)*N for any N")
+    return n
 
 
 def mhc_pre_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
@@ -130,44 +164,14 @@ def mhc_pre_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
     return mixed.contiguous(), post.contiguous(), comb.contiguous()
 
 
-def _pre_batch_invariant(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    with torch.autocast(x.device.type, enabled=False):
-        pre, post, comb, _ = _coefficients(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, invariant=True)
-        mixed = ordered_sum(pre.unsqueeze(-1) * x, -2).to(x.dtype)
-    return mixed, post, comb
-
-
-def _post_batch_invariant(f, residual, post, comb, precision):
-    """:func:`mhc_post_reference`'s formula with the stream sum as an FP32 ordered chain (the
-    products of "bf16" taken from comb rounded to the residual's dtype, like the matmul's)."""
-    dtype = residual.dtype
-    with torch.autocast(residual.device.type, enabled=False):
-        c = comb.to(dtype).float() if precision == "bf16" else comb.float()
-        r = residual.float()
-        mixed = ordered_sum(c.unsqueeze(-1) * r.unsqueeze(-2), -3)  # Σ_s comb[s, o] · residual[s]
-        if precision == "bf16":
-            return post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2) + mixed.to(dtype)
-        return (post.float().unsqueeze(-1) * f.float().unsqueeze(-2) + mixed).to(dtype)
-
-
 def _mhc_pre_backward(x, fn, base, scale, norm_eps, hc_eps, iters, dmixed, dpost, dcomb):
     """FP32 VJP of :func:`mhc_pre_reference`: (dx, dfn, dbase, dscale) in the inputs' dtypes."""
-    pre, _, _, saved = _coefficients(x, fn, base, scale, norm_eps, hc_eps, iters)
-    flat, rstd, z, pre_w, post_w, comb_w, pre_sig, post_sig, probs, steps = saved
-    s = scale.float()
+    pre, _, _, (flat, rstd, z, saved) = _coefficients(x, fn, base, scale, norm_eps, hc_eps, iters)
     xf, dm = x.float(), dmixed.float()
     dx_direct = pre.unsqueeze(-1) * dm.unsqueeze(-2)
     dpre = (dm.unsqueeze(-2) * xf).sum(-1)
-    dc = dcomb.float()
-    for y, denom, dim in reversed(steps):  # y = c / (Σ_dim c + eps)  =>  dc = (dy − Σ_dim dy·y) / denom
-        dc = (dc - (dc * y).sum(dim=dim, keepdim=True)) / denom
-    dlogit = probs * (dc - (dc * probs).sum(-1, keepdim=True))
-    da_pre = dpre * pre_sig * (1 - pre_sig)
-    da_post = dpost.float() * 2 * post_sig * (1 - post_sig)
-    dh = torch.cat([da_pre * s[0], da_post * s[1], (dlogit * s[2]).flatten(-2)], -1)
+    dh, dbase, dscale = coefficient_vjp(saved, dpre, dpost, dcomb)
     rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-    dscale = torch.stack([(da_pre * pre_w).sum(), (da_post * post_w).sum(), (dlogit * comb_w).sum()])
-    dbase = rows(torch.cat([da_pre, da_post, dlogit.flatten(-2)], -1)).sum(0)
     dfn = rows(dh).t() @ rows(z)
     dz = dh @ fn.float()
     # z = flat · rstd, rstd = (mean(flat²) + eps)^-½  =>  dflat = rstd·dz − flat·rstd³·mean(dz·flat)
@@ -294,21 +298,3 @@ def mhc_post(f, residual, post, comb, *, precision=None):
     precision = active_config().mhc_post if precision is None else precision
     validate_mhc_post_inputs(f, residual, post, comb, precision)
     return torch.ops.glm53.mhc_post(f, residual, post, comb, precision)
-
-
-def mhc_pre_batch_invariant(x, fn, base, scale, *, norm_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20):
-    """:func:`mhc_pre` with batch-invariant reductions (``PrecisionConfig.batch_invariant``): same
-    arguments, outputs and formula; every row's result is bitwise independent of how many rows
-    share the call (see the module docstring). Within FP32 rounding of :func:`mhc_pre`;
-    differentiable by autograd."""
-    validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
-    return _pre_batch_invariant(x, fn, base, scale, float(norm_eps), float(hc_eps), sinkhorn_iters)
-
-
-def mhc_post_batch_invariant(f, residual, post, comb, *, precision=None):
-    """:func:`mhc_post` with the sum over the N streams in a fixed order (an FP32 chain, rounded
-    once to the residual's dtype), for ``PrecisionConfig.batch_invariant``; same arguments and
-    outputs; differentiable by autograd."""
-    precision = active_config().mhc_post if precision is None else precision
-    validate_mhc_post_inputs(f, residual, post, comb, precision)
-    return _post_batch_invariant(f, residual, post, comb, precision)

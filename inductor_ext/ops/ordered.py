@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ordered_sum", "ordered_max", "ordered_softmax"]
+__all__ = ["ordered_sum", "ordered_max", "ordered_softmax", "positionwise"]
+
+_CPU_LOOP = 64  # floats: a multiple of any CPU vector loop's step (2 x 16 lanes with AVX-512)
+_CPU_GRAIN = 32768  # elements: at most this many run as one serial loop (torch's GRAIN_SIZE)
 
 
 def ordered_sum(t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
@@ -34,6 +37,22 @@ def ordered_max(t: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tenso
 
 
 def ordered_softmax(t: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last (short) dim: ``exp(t − max) / Σ exp(t − max)`` with the ordered max and sum."""
-    e = torch.exp(t - ordered_max(t, -1, keepdim=True))
+    """Softmax over the last (short) dim: ``exp(t − max) / Σ exp(t − max)`` with the ordered max and
+    sum, the exp :func:`positionwise`."""
+    e = positionwise(torch.exp, t - ordered_max(t, -1, keepdim=True))
     return e / ordered_sum(e, -1, keepdim=True)
+
+
+def positionwise(fn, t: torch.Tensor) -> torch.Tensor:
+    """``fn(t)`` for an elementwise torch function, each element's result independent of where it
+    sits in ``t``. On the CPU torch's vectorized loops finish a tensor (or a thread's share of it)
+    with a scalar loop, whose exp / sigmoid round differently from the vector lanes, so a row's
+    result could depend on how many rows share the call. Here each last-dim row is zero-padded to a
+    multiple of the vector step and the rows go in serial slices: every element takes the vector
+    path. Other devices: ``fn(t)``."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return fn(t)
+    n = t.shape[-1]
+    rows = torch.nn.functional.pad(t.reshape(-1, n), (0, (-n) % _CPU_LOOP))
+    step = max(1, _CPU_GRAIN // rows.shape[1])
+    return torch.cat([fn(part) for part in rows.split(step)])[:, :n].reshape(t.shape)

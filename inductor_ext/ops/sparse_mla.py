@@ -145,8 +145,9 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
         d_v: value width, ``1 <= d_v <= D``; ``None`` means D.
         return_lse: also return ``lse`` (differentiable).
         deterministic: the backward's ``dkv`` is bitwise repeatable (CUDA: integer atomics into
-            an int32 fixed point with one scale per latent row). ``False`` lets the CUDA kernel add FP32 tiles with FP32 atomics (faster,
-            order-dependent rounding). No effect on the forward or on the CPU.
+            an int32 fixed point with one scale per latent row). ``False`` lets the CUDA kernel
+            add FP32 tiles with FP32 atomics (faster, order-dependent rounding). No effect on the
+            forward or on the CPU.
 
     Returns:
         ``out [T, H, d_v]`` in q's dtype, and with ``return_lse`` the tuple ``(out, lse)``,
