@@ -5,7 +5,9 @@
   kernel ``glm53::bi_grouped_linear`` (tiles of one group each, from a device-side tile map) and
   its weight gradient;
 - :mod:`.norms`: ``glm53::bi_rms_norm``, ``bi_layer_norm``, ``bi_log_softmax`` and ``bi_row_sum``,
-  one program per row with a fixed lane loop and an explicit halving tree.
+  one program per row with a fixed lane loop and an explicit halving tree;
+- :mod:`.mhc`: ``glm53::bi_mhc_coefficients`` (mHC's sigmoids, softmax and Sinkhorn), one program
+  per block of rows, each row's tile in registers (imported on its own by the op).
 
 Block sizes come from the caller (``inductor_ext.ops.batch_invariant_reference``); these modules
 import only torch and triton. Grids come from static shapes and no launch reads device data, so
