@@ -43,7 +43,7 @@ from inductor_ext.ops.ordered import ordered_softmax, ordered_sum, positionwise
 
 __all__ = ["mhc_pre", "mhc_post", "PRECISIONS", "mhc_pre_reference", "mhc_post_reference",
            "validate_mhc_pre_inputs", "validate_mhc_post_inputs", "coefficients_from_projection",
-           "coefficient_vjp"]
+           "coefficient_vjp", "streams_from_width"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -111,7 +111,7 @@ def coefficients_from_projection(proj, base, scale, hc_eps, iters, invariant: bo
     (the module docstring's formulas); ``saved`` is what :func:`coefficient_vjp` needs.
     ``invariant``: the short reductions (softmax, Sinkhorn sums) as ordered chains and the
     sigmoids / exp :func:`~inductor_ext.ops.ordered.positionwise`."""
-    N = _streams(proj.shape[-1])
+    N = streams_from_width(proj.shape[-1])
     proj = proj.float()
     pre_w, post_w, comb_w = proj.split([N, N, N * N], -1)
     pre_b, post_b, comb_b = base.float().split([N, N, N * N])
@@ -148,8 +148,8 @@ def coefficient_vjp(saved, dpre, dpost, dcomb):
     return dproj, dbase, dscale
 
 
-def _streams(width: int) -> int:
-    """N from the projection width (2+N)·N."""
+def streams_from_width(width: int) -> int:
+    """N from mHC's projection width ``(2+N)·N``; ``ValueError`` if the width is not of that form."""
     n = int(round((1 + width) ** 0.5 - 1))
     if (2 + n) * n != width:
         raise ValueError(f"mhc: a projection of width {width} is not (2+N)*N for any N")

@@ -27,6 +27,7 @@ from inductor_ext.ops.batch_invariant import bi_linear, bi_row_sum
 from inductor_ext.ops.mhc import (
     coefficient_vjp,
     coefficients_from_projection,
+    streams_from_width,
     validate_mhc_post_inputs,
     validate_mhc_pre_inputs,
 )
@@ -105,6 +106,7 @@ def bi_mhc_coefficients(proj, base, scale, *, hc_eps=1e-6, sinkhorn_iters=20):
                          f"{tuple(base.shape)} and {tuple(scale.shape)}")
     if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
         raise ValueError(f"bi_mhc_coefficients: sinkhorn_iters must be an int >= 1, got {sinkhorn_iters!r}")
+    streams_from_width(width)
     return torch.ops.glm53.bi_mhc_coefficients(proj, base, scale, float(hc_eps), sinkhorn_iters)
 
 

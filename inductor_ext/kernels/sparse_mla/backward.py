@@ -253,9 +253,6 @@ def _sparse_mla_bwd_kernel(
             if FIXED:
                 fa = tl.load(rowfx_ptr + rows * 2, mask=valid, other=0.0)
                 fb = tl.load(rowfx_ptr + rows * 2 + 1, mask=valid, other=0.0)
-            else:
-                fa = tl.zeros([BLOCK_N], dtype=tl.float32)
-                fb = fa
             dsT = tl.trans(dsb)
             pT = tl.trans(p.to(k0.dtype))
             dk = tl.dot(dsT, q0, input_precision=DOT_PREC)
@@ -368,7 +365,7 @@ def sparse_mla_bwd(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, *, determ
     ``out``, ``lse`` and the output gradients ``dout [T, H, d_v]``, ``dlse [T, H]`` (module doc).
 
     Two launches of one kernel: a ``dq`` pass (no floating-point atomics; the row bounds) and a
-    ``dkv`` pass (recomputes ``s``, ``p``, ``dp``; int32 atomics), each with its own registers and
+    ``dkv`` pass (recomputes ``s``, ``p``, ``dp``; int64 atomics of packed int32 pairs), each with its own registers and
     shared memory. ``dq_config`` / ``dkv_config`` override :func:`bwd_config` (keys block_n,
     num_warps, num_stages, prefetch, idx32). ``scatter=False`` and ``passes`` (a subset of
     ``("dq", "dkv")``) are benchmark knobs: the dkv pass skips its atomics / only the named passes
