@@ -172,7 +172,7 @@ class LinearAttention(nn.Module):
             o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         else:
             # batch-invariant FP32: rows must not depend on the later rows of their chunk (decode replay)
-            kda = "fp32_exact" if prec.batch_invariant and prec.kda == "fp32" else prec.kda
+            kda = "fp32_causal" if prec.batch_invariant and prec.kda == "fp32" else prec.kda
             o, state = ops.kda_chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
                                      precision=kda)
         return o[0], state

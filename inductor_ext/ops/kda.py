@@ -161,7 +161,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
         cu_seqlens: optional int64 ``[N+1]`` document offsets (0 ... T, non-decreasing); needs B = 1.
         precision: ``"bf16"`` (flash-linear-attention's BF16 intermediates) or ``"fp32"`` (inputs
             promoted before the L2 norm, every intermediate and the backward in FP32) or
-            ``"fp32_exact"`` (``"fp32"``'s arithmetic; on CUDA every decay product by the exact path,
+            ``"fp32_causal"`` (``"fp32"``'s arithmetic; on CUDA the kernel's row-causal decay path,
             so a row never depends on the later rows of its chunk: what ``batch_invariant`` layers
             pass); ``None`` takes ``PrecisionConfig.kda`` of the active config.
 

@@ -40,12 +40,12 @@ import torch
 from inductor_ext.config import KDA_PRECISIONS as PRECISIONS
 from inductor_ext.ops._checks import check_cu_seqlens_values
 
-# the op's precision argument: the config's values, plus "fp32_exact", which the layers pass for
+# the op's precision argument: the config's values, plus "fp32_causal", which the layers pass for
 # kda="fp32" under PrecisionConfig.batch_invariant: the same FP32 arithmetic (the reference kernels
-# are one and the same), on CUDA with every decay product by the exact elementwise path, so that a
+# are one and the same), on CUDA with the chunk kernel's row-causal decay path, so that a
 # row's result depends on that row and the earlier rows of its chunk only (docs/DESIGN.md §9)
-FP32_PRECISIONS = ("fp32", "fp32_exact")
-OP_PRECISIONS = (*PRECISIONS, "fp32_exact")
+FP32_PRECISIONS = ("fp32", "fp32_causal")
+OP_PRECISIONS = (*PRECISIONS, "fp32_causal")
 
 __all__ = [
     "CHUNK",

@@ -235,17 +235,20 @@ def test_unpacked_batch_restarts_state_per_sequence(dots):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("force_exact", [False, True], ids=["guarded", "exact-everywhere"])
-def test_steep_gates_take_the_exact_path(force_exact, monkeypatch, dots):
+@pytest.mark.parametrize("path", ["guarded", "exact-everywhere", "causal", "causal-exact-diagonal"])
+def test_steep_gates_take_the_exact_path(path, monkeypatch, dots):
     """Gates of -30 per token in a quarter of the keys put e^{±240} into a 16-token block: those
-    blocks must take the exact elementwise path; forcing it everywhere must give the same answer."""
+    blocks must take the exact elementwise path; forcing it everywhere must give the same answer.
+    The row-causal path (``causal``) likewise, with its own per-column check, and with every
+    diagonal-block column forced onto the exact path."""
     inputs = make_inputs(Case("steep", (100,), heads=2, k_dim=32, v_dim=32, initial_state=True), torch.float32)
     inputs["g"][..., ::4] = -30.0
     inputs["g"][:, 32:80, 1, :] = -0.01  # head 1: rows 32-79 stay on the fast path
-    if force_exact:
+    if path.endswith("exact-everywhere") or path.endswith("exact-diagonal"):
         monkeypatch.setattr(chunk, "SPAN", -1.0)
-    o, s = _run(inputs)
-    _check_fp32(f"{dots} steep gates exact={force_exact}", o, s, *_reference(inputs))
+    causal = path.startswith("causal")
+    o, s = _run(inputs, causal=causal, **(forward.CAUSAL_LAUNCH if causal else {}))
+    _check_fp32(f"{dots} steep gates {path}", o, s, *_reference(inputs))
 
 
 def _three_gate_regimes():
@@ -551,39 +554,46 @@ def test_cuda_h64_k128_t16384():
     _check_fp32("cuda T16384", o, s, *_reference(inputs))
 
 
-def _partial_chunk_rows_match(inputs, exact, cuts=(5, 20)) -> list[bool]:
+def _partial_chunk_rows_match(inputs, causal, cuts=(5, 20), **launch) -> list[bool]:
     """For each cut c: are the rows of the second chunk's first c tokens, run alone (zero-padded to
     64, from the first chunk's final state), bitwise the rows of the full 128-token run?"""
     K, dev = inputs["q"].shape[-1], inputs["q"].device
     cu = torch.tensor([0, 64], device=dev)
     rows = lambda lo, hi: [inputs[n][:, lo:hi] for n in ARGS]  # noqa: E731
-    full, _ = kda_fp32_fwd(*rows(0, 128), K ** -0.5, None, torch.tensor([0, 128], device=dev), exact=exact)
-    _, boundary = kda_fp32_fwd(*rows(0, 64), K ** -0.5, None, cu, exact=exact)
+    full, _ = kda_fp32_fwd(*rows(0, 128), K ** -0.5, None, torch.tensor([0, 128], device=dev), causal=causal, **launch)
+    _, boundary = kda_fp32_fwd(*rows(0, 64), K ** -0.5, None, cu, causal=causal, **launch)
     same = []
     for c in cuts:
         padded = [torch.cat([x, x.new_zeros(1, 64 - c, *x.shape[2:])], 1) for x in rows(64, 64 + c)]
-        o, _ = kda_fp32_fwd(*padded, K ** -0.5, boundary, cu, exact=exact)
+        o, _ = kda_fp32_fwd(*padded, K ** -0.5, boundary, cu, causal=causal, **launch)
         same.append(torch.equal(o[:, :c], full[:, 64:64 + c]))
     return same
 
 
 @needs_interpreter
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "factored"])
-def test_partial_chunk_rows_equal_the_full_chunks_only_on_the_exact_path(exact):
-    """What the batch-invariant decode relies on (``graphs/kda_replay.py``, precision "fp32_exact"):
-    with ``exact`` the rows of a partial chunk, zero-padded to 64 and run from the boundary state, are
-    bitwise the same rows of the full chunk; the factored paths (reference row 32, the whole-chunk
-    span check) make a row depend on the later rows of its chunk. Position-independent interpreter
-    dots (``interpreter_numerics``), as a GPU MMA's rows are."""
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "factored"])
+@pytest.mark.parametrize("gates", ["gentle", "steep"])
+def test_partial_chunk_rows_equal_the_full_chunks_only_on_the_causal_path(causal, gates):
+    """What the batch-invariant decode relies on (``graphs/kda_replay.py``, precision "fp32_causal"):
+    with ``causal`` the rows of a partial chunk, zero-padded to 64 and run from the boundary state,
+    are bitwise the same rows of the full chunk, also where steep gates send columns of a row block
+    to the exact path (cut 20 sits inside the block whose later rows fail the check); the default
+    factored paths (reference row 32, the whole-chunk span check) make a row depend on the later
+    rows of its chunk. Position-independent interpreter dots (``interpreter_numerics``), as a GPU
+    MMA's rows are."""
     inputs = make_inputs(Case("two-chunks", (128,), heads=2, k_dim=32, v_dim=32), torch.float32)
+    if gates == "steep":
+        inputs["g"][:, 64 + 22:, :, ::4] = -8.0  # e^{-8·(j-16)} beyond e^{SPAN} from column 22 on
     with interpreter_numerics(ordered_dot=True):
-        same = _partial_chunk_rows_match(inputs, exact)
-    assert all(same) if exact else not any(same), same
+        same = _partial_chunk_rows_match(inputs, causal, cuts=(5, 20, 30), **forward.CAUSAL_LAUNCH)
+    assert all(same) if causal else not any(same), same
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRET, reason="the H200 geometry is for compiled kernels, not the interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_exact_path_partial_chunk_rows_equal_the_full_chunks(dtype):
+def test_cuda_causal_path_partial_chunk_rows_equal_the_full_chunks(dtype):
     inputs = make_inputs(Case("two-chunks-h64", (128,), heads=64, k_dim=128, v_dim=128), dtype, device="cuda")
-    assert all(_partial_chunk_rows_match(inputs, exact=True, cuts=(1, 5, 20, 40, 63)))
+    inputs["g"][:, 64 + 22:, ::2, ::4] = -8.0  # steep columns on the exact path in half the heads
+    for launch in ({}, forward.CAUSAL_LAUNCH):
+        assert all(_partial_chunk_rows_match(inputs, causal=True, cuts=(1, 5, 20, 40, 63), **launch)), launch

@@ -106,22 +106,22 @@ def test_documents_do_not_leak():
         assert not torch.equal(oa[:, :37], ob[:, :37]), prec
 
 
-def test_fp32_exact_is_fp32_on_the_cpu():
-    """"fp32_exact" (what batch-invariant layers pass) is "fp32"'s arithmetic: on the CPU the one
+def test_fp32_causal_is_fp32_on_the_cpu():
+    """"fp32_causal" (what batch-invariant layers pass) is "fp32"'s arithmetic: on the CPU the one
     reference kernel, bitwise, gradients too; it only changes which decay path the CUDA kernel takes."""
     inputs = make_inputs(CASES[0], torch.float32)
     leaves = {n: inputs[n].clone().requires_grad_(True) for n in ARGS}
     results = []
-    for precision in ("fp32", "fp32_exact"):
+    for precision in ("fp32", "fp32_causal"):
         o, s = _call(ops.kda_chunk, {**inputs, **leaves}, precision=precision)
         grads = torch.autograd.grad((o.square().sum() + s.sum()), list(leaves.values()))
         results.append((o, s, *grads))
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    with pytest.raises(ValueError, match="fp32_exact"):
+    with pytest.raises(ValueError, match="fp32_causal"):
         _call(ops.kda_chunk, inputs, precision="fp64")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32", "fp32_exact"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "fp32_causal"])
 @pytest.mark.parametrize("packed", [False, True], ids=["single", "packed"])
 def test_opcheck(precision, packed):
     case = CASES[0] if packed else CASES[1]

@@ -17,16 +17,17 @@ from __future__ import annotations
 import torch
 
 from inductor_ext.kernels.kda_fp32.backward import kda_fp32_bwd
-from inductor_ext.kernels.kda_fp32.forward import kda_fp32_fwd
+from inductor_ext.kernels.kda_fp32.forward import CAUSAL_LAUNCH, kda_fp32_fwd
 
 __all__ = ["kda_chunk_fwd", "kda_chunk_bwd"]
 
 
 def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, residuals):
     """(o in v's dtype, FP32 final state, five empty FP32 residuals, Aqk, (A⁻¹, k̂–k̂ products));
-    precision "fp32_exact" takes the exact decay path everywhere (``kda_fp32_fwd(exact=True)``)."""
+    precision "fp32_causal" takes the row-causal decay path (``kda_fp32_fwd(causal=True)``)."""
+    causal = precision == "fp32_causal"
     o, final, *kept = kda_fp32_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, keep_a=residuals,
-                                   exact=precision == "fp32_exact")
+                                   causal=causal, **(CAUSAL_LAUNCH if causal else {}))
     # one tensor per output: a custom op's outputs must not alias each other
     empties = [q.new_empty(0, dtype=torch.float32) for _ in range(7 - len(kept))]
     return (o, final, *empties, *kept)

@@ -20,6 +20,11 @@ flags the chunk otherwise; with ``BLOCKS``, the only launch compiled with the 16
 exact paths, a program computes only a flagged chunk. With ``LOAD_A`` (Aqk and A⁻¹ of an earlier
 call on the same inputs) one launch recomputes only qg, kgᵀ, w's right-hand side and e^{gc_last}.
 
+Row-causal (``CAUSAL``, one launch: what the batch-invariant decode needs): the reference row 32 and
+the whole-chunk check make a row's bits depend on its chunk's later rows. Instead each 16-row block
+is factored at its own first row, each column of the block itself checked alone and taken exactly
+when it fails (:func:`_causal_products`): a row reads only itself and the earlier rows of its chunk.
+
 Precision: the cumulative gate is scanned in FP64 and every exponent is a difference of two of its
 rows rounded once to FP32, so a steep gate early in a chunk does not cost the later tokens ulp(|gc|)
 of absolute exponent error.
@@ -148,6 +153,43 @@ def _decay_products(qh, kh, gc, x, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.
 
 
 @triton.jit
+def _causal_products(qh, kh, gc, r, acc_q, acc_k, BKB: tl.constexpr, SPAN: tl.constexpr):
+    """Add one K-slice's unmasked q̂–k̂ (acc_q) and k̂–k̂ (acc_k) decay products, row-causally: the
+    rows of row block I (16I..16I+15) are factored at the block's first row r = 16I,
+    ``(x_i e^{gc_i − gc_r})·(k̂_j e^{gc_r − gc_j})``, one [64, 64] dot per product and block, kept
+    for the block's rows. For decays (g ≤ 0) the left factor and the right factors of the earlier
+    blocks' columns are ≤ 1; a column j of the block itself passes while its right exponents stay
+    within SPAN, else its products come from the exact elementwise path. Every choice and every
+    product of row i reads rows ≤ i only, so a partial chunk's rows are the full chunk's, bitwise."""
+    blk = r // 16
+    g4 = tl.reshape(gc, [4, 16, BKB])
+    first = tl.sum(tl.where((tl.arange(0, 16) == 0)[None, :, None], g4, 0.0), 1)  # [4, BKB]: rows 0, 16, 32, 48
+    own_ref = tl.reshape(tl.broadcast_to(first[:, None, :], [4, 16, BKB]), [64, BKB])
+    el = tl.exp((gc - own_ref).to(tl.float32))
+    qf = qh * el
+    kf = kh * el
+    for I in tl.static_range(4):
+        ref = tl.sum(tl.where((tl.arange(0, 4) == I)[:, None], first, 0.0), 0)  # gc at row 16I
+        read = r < 16 * I + 16  # the columns (rows j of k̂) that row block I reads
+        right = tl.where(read[:, None], (ref[None, :] - gc).to(tl.float32), 0.0)
+        steep = (r >= 16 * I) & (tl.max(right, 1) > SPAN)  # the block's own columns beyond e^SPAN
+        rt = tl.trans(tl.where((read & ~steep)[:, None], kh * tl.exp(right), 0.0))  # [BKB, 64]
+        mine = (blk == I)[:, None]
+        acc_q = tl.where(mine, acc_q + dot3(qf, rt), acc_q)
+        acc_k = tl.where(mine, acc_k + dot3(kf, rt), acc_k)
+        if tl.sum(steep.to(tl.int32)) > 0:
+            _, kJ, gJ = block_rows(kh, gc, I, BKB)
+            eq, ek = _col_block_exact(qh, kh, gc, kJ, gJ, r, I)  # [64, 16]: column block I
+            z = tl.zeros([64, 16], dtype=tl.float32)
+            eq = _join4(eq if I == 0 else z, eq if I == 1 else z, eq if I == 2 else z, eq if I == 3 else z)
+            ek = _join4(ek if I == 0 else z, ek if I == 1 else z, ek if I == 2 else z, ek if I == 3 else z)
+            fix = mine & steep[None, :]  # (their dot products above are exact zeros)
+            acc_q = tl.where(fix, acc_q + eq, acc_q)
+            acc_k = tl.where(fix, acc_k + ek, acc_k)
+    return acc_q, acc_k
+
+
+@triton.jit
 def _inv_norms(q, k, tok, rows, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, EPS: tl.constexpr):
     """1 / L2 norm of the q and k rows, FP32 over the full rows."""
     ck = tl.arange(0, BK)
@@ -193,7 +235,8 @@ def _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK: tl
 @triton.jit
 def chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, FLAG, scale,
                  H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKB: tl.constexpr, EPS: tl.constexpr,
-                 SPAN: tl.constexpr, STORE_A: tl.constexpr, LOAD_A: tl.constexpr, BLOCKS: tl.constexpr):
+                 SPAN: tl.constexpr, STORE_A: tl.constexpr, LOAD_A: tl.constexpr, BLOCKS: tl.constexpr,
+                 CAUSAL: tl.constexpr):
     """The chunk kernel (module docstring), one program per (chunk slot, head). AI: per slot A⁻¹,
     then with STORE_A the k̂–k̂ products (no β, j < i; the backward reads them); W gets the
     right-hand side β k̂ e^{gc} of w (the forward's state pass reads it; :func:`.solve.solve_kernel`
@@ -202,7 +245,8 @@ def chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, FL
     and e^{gc_last}. Otherwise two launches: without BLOCKS a program computes its chunk while
     every slice's whole-chunk exponents stay within SPAN, stops at the first slice where they do not
     and then flags the chunk in FLAG (int32 per (slot, head)); with BLOCKS a program computes only a
-    flagged chunk."""
+    flagged chunk. CAUSAL: one launch, every chunk's decay products by :func:`_causal_products`
+    (no flags)."""
     i_h = tl.program_id(1)
     r, rows, n, tok, slot = chunk_slot(chunk_map, cu, tl.program_id(0), i_h, H)
     if BLOCKS:
@@ -221,16 +265,18 @@ def chunk_kernel(q, k, g, beta, chunk_map, cu, QG, KGT, W, AQK, DEC, AI, NRM, FL
         c, qh, kh, gc, gl, ref = k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H, K, BKB)
         x = chunk_exponents(gc, ref)
         go = True
-        if not LOAD_A and not BLOCKS:
+        if not LOAD_A and not BLOCKS and not CAUSAL:
             xmax = tl.maximum(xmax, tl.max(tl.abs(x)))
             go = xmax <= SPAN
         if go:  # (the first launch's results of a flagged chunk are all overwritten by the second)
             _store_k_slice(QG, W, KGT, DEC, slot, r, c, qh, kh, gc, gl, b, scale, BK)
-            if not LOAD_A:
+            if CAUSAL and not LOAD_A:
+                acc_q, acc_k = _causal_products(qh, kh, gc, r, acc_q, acc_k, BKB, SPAN)
+            elif not LOAD_A:
                 acc_q, acc_k = _decay_products(qh, kh, gc, x, r, acc_q, acc_k, BKB, SPAN, BLOCKS)
 
     if not LOAD_A:
-        if not BLOCKS:
+        if not BLOCKS and not CAUSAL:
             flag = tl.where(xmax <= SPAN, 0, 1)
             tl.store(FLAG + slot, flag)
             if flag != 0:

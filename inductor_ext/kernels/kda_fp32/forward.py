@@ -11,7 +11,8 @@ Two kernels, or three with ``split_output`` and in the backward, no host synchro
 list of :mod:`.chunk_list` has a static length and is filled on the device):
 
 1. the chunk kernel (:mod:`.chunk`), one program per (chunk slot, head), in two launches (the second
-   only for the chunks whose whole-chunk factors the first found beyond ``chunk.SPAN``): qg, kgᵀ, w's
+   only for the chunks whose whole-chunk factors the first found beyond ``chunk.SPAN``; one launch of
+   its row-causal path with ``causal``): qg, kgᵀ, w's
    right-hand side β k̂ e^{gc}, Aqk, A⁻¹ (with ``keep_a`` also the k̂–k̂ products), e^{gc_last} and the
    rows' inverse norms, chunk-major FP32;
 2. with ``split_output`` (and in the backward) the solve kernel (:mod:`.solve`): w and u;
@@ -39,8 +40,8 @@ from inductor_ext.kernels.kda_fp32 import solve as solve_module  # (chunk_pass's
 from inductor_ext.kernels.kda_fp32.chunk_list import chunk_list, pow2
 from inductor_ext.ops.kda_reference import CHUNK, FP32_KERNEL_MAX_DIM, L2_EPS, chunk_count, chunk_slots
 
-__all__ = ["kda_fp32_fwd", "ChunkPass", "chunk_pass", "state_pass", "contiguous_inputs", "check_inputs",
-           "check_blocks", "MAX_DIM"]
+__all__ = ["kda_fp32_fwd", "CAUSAL_LAUNCH", "ChunkPass", "chunk_pass", "state_pass", "contiguous_inputs",
+           "check_inputs", "check_blocks", "MAX_DIM"]
 
 MAX_DIM = FP32_KERNEL_MAX_DIM  # head dims K, V
 # launch options (the H200 measurements behind them: notes/kda-fp32-kernels.md):
@@ -55,6 +56,10 @@ FUSED_STATE_STAGES = 1
 CHUNK_STAGES = 1
 # columns of w and u per solve-kernel program
 SOLVE_COLUMNS = 64
+# the launch of the row-causal path (four [64, 64] dots per product and K-slice): at 32-column slices
+# and 168 registers it spills ~4 KB per thread (offline sm_90a compile, K = 128), at 16-column slices
+# and ptxas' own register count 0.2 KB
+CAUSAL_LAUNCH = dict(block_k=16, chunk_maxnreg=None)
 
 
 def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -136,14 +141,14 @@ def check_blocks(name: str, block_k: int, block_v: int, **maxnregs: int | None) 
 
 def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: int, warps: int,
                chunk_maxnreg: int | None, keep_a: bool = False, given_a: tuple | None = None,
-               solve: bool = True, exact: bool = False) -> ChunkPass:
+               solve: bool = True, causal: bool = False) -> ChunkPass:
     """Launch the chunk kernel (twice) and, with ``solve``, the solve kernel on contiguous, checked
     inputs (see :func:`kda_fp32_fwd`). ``keep_a``: keep the k̂–k̂ products in ``AI`` beside A⁻¹;
     ``given_a``: (Aqk, AI) of an earlier call on the same inputs, which the chunk kernel then does not
     recompute. Without ``solve`` (the forward's state pass, which solves v_new itself) W keeps w's
-    right-hand side and U is empty. ``exact``: every decay product by the exact elementwise path
-    (the launches see SPAN = -1: no factor passes the span checks), so each row's arithmetic reads
-    that row and the earlier rows of its chunk only, never a reference row or a whole-chunk check."""
+    right-hand side and U is empty. ``causal``: one launch of the chunk kernel's row-causal path
+    (``chunk.CAUSAL``), so each row's arithmetic reads that row and the earlier rows of its chunk
+    only, never a later reference row or a whole-chunk check."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -176,13 +181,13 @@ def chunk_pass(q, k, v, g, beta, scale, cu_seqlens, *, block_k: int, block_v: in
     if n_slots > 0 and H > 0:
         load_a = given_a is not None
         # per (slot, head): 1 where the chunk's whole-chunk factors may exceed e^SPAN (not used when reading A)
-        flag = torch.empty(0 if load_a else S, H, device=dev, dtype=torch.int32)
-        span = -1.0 if exact else chunk.SPAN
-        for blocks in (False,) if load_a else (False, True):
+        flag = torch.empty(0 if load_a or causal else S, H, device=dev, dtype=torch.int32)
+        for blocks in (False,) if load_a or causal else (False, True):
             chunk.chunk_kernel[(n_slots, H)](
                 q, k, g, beta, chunk_map, cu, cp.QG, cp.KGT, cp.W, cp.AQK, cp.DEC, ai, cp.NRM,
-                flag if flag.numel() else aqk, float(scale), H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=span,
-                STORE_A=keep_a and not load_a, LOAD_A=load_a, BLOCKS=blocks, num_warps=warps,
+                flag if flag.numel() else aqk, float(scale), H=H, K=K, BK=BK, BKB=cp.BKB, EPS=L2_EPS, SPAN=chunk.SPAN,
+                STORE_A=keep_a and not load_a, LOAD_A=load_a, BLOCKS=blocks, CAUSAL=causal and not load_a,
+                num_warps=warps,
                 num_stages=CHUNK_STAGES, maxnreg=chunk_maxnreg)  # (FLAG is not touched unless used)
         if solve:
             BC = min(SOLVE_COLUMNS, BK, BV)
@@ -217,7 +222,7 @@ def state_pass(cp: ChunkPass, o, initial_state, final, *, warps: int, split_outp
 def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *,
                  block_k: int = 32, block_v: int = 64, warps: tuple[int, int] = (4, 4),
                  chunk_maxnreg: int | None = 168, split_output: bool = False, keep_a: bool = False,
-                 exact: bool = False):
+                 causal: bool = False):
     """KDA chunk forward with FP32-grade arithmetic (see the module docstring).
 
     q, k ``[B,T,H,K]`` and v ``[B,T,H,V]`` FP32 or BF16 (read as they are, converted to FP32 on load),
@@ -237,15 +242,16 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     ``keep_a``: also return (Aqk ``[S,H,64,64]``, AI ``[S,H,2,64,64]``: A⁻¹ and the k̂–k̂ products),
     chunk-major FP32 with S = ``inductor_ext.ops.kda_reference.chunk_slots``, for
     ``kda_fp32_bwd(..., given_a=...)``.
-    ``exact``: the chunk kernel's exact decay path everywhere (see :func:`chunk_pass`): a partial
-    chunk's rows are bitwise the same rows of the full chunk (the batch-invariant decode replays
-    partial chunks); slower on gentle gates."""
+    ``causal``: the chunk kernel's row-causal path (see :func:`chunk_pass`): a partial chunk's rows,
+    zero-padded to 64, are bitwise the same rows of the full chunk (the batch-invariant decode
+    replays partial chunks). For decays (g ≤ 0, the op's contract). The op launches it with
+    :data:`CAUSAL_LAUNCH`."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     check_blocks("kda_fp32_fwd", block_k, block_v, chunk_maxnreg=chunk_maxnreg)
     o = torch.empty(v.shape, device=v.device, dtype=v.dtype)  # stored in v's dtype by the state kernel
     q, k, v, g, beta = contiguous_inputs(q, k, v, g, beta)
     cp = chunk_pass(q, k, v, g, beta, scale, cu_seqlens, block_k=block_k, block_v=block_v, warps=warps[0],
-                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a, solve=split_output, exact=exact)
+                    chunk_maxnreg=chunk_maxnreg, keep_a=keep_a, solve=split_output, causal=causal)
     final = torch.empty(cp.N, cp.H, cp.K, cp.V, device=q.device, dtype=torch.float32)
     kept = (cp.AQK, cp.AI) if keep_a else ()
     if not split_output:
