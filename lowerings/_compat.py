@@ -103,13 +103,16 @@ def _static_numel(numel) -> int | None:
 
 
 def lowering_batch_invariant_graph() -> bool:
-    """Whether the graph Inductor is lowering calls a ``glm53::bi_*`` op: the graph of a module
-    traced under ``PrecisionConfig.batch_invariant`` (the config reaches the graph only as its ops,
-    so the FX graph, already part of Inductor's cache key, decides). Cached on the graph module."""
+    """Whether the graph Inductor is lowering is a forward (or inference) graph that calls a
+    ``glm53::bi_*`` op: the graph of a module traced under ``PrecisionConfig.batch_invariant`` (the
+    config reaches the graph only as its ops, so the FX graph, already part of Inductor's cache key,
+    decides). A backward graph never is: batch invariance is a contract on forward values (the
+    decode and the training forward), so backward reductions keep Inductor's splits. Cached on the
+    graph module."""
     from torch._inductor.virtualized import V
 
     gm = getattr(V.graph, "module", None) if V.graph is not None else None  # V.graph is a NullHandler outside
-    if not isinstance(gm, torch.fx.GraphModule):
+    if not isinstance(gm, torch.fx.GraphModule) or getattr(V.graph, "is_backward", False):
         return False
     found = getattr(gm, "_glm53_batch_invariant", None)
     if found is None:

@@ -68,8 +68,10 @@ def test_import_needs_only_torch():
 
 
 def test_batch_invariant_graphs_never_split_a_reduction(monkeypatch):
-    """In a graph holding glm53::bi_* ops (PrecisionConfig.batch_invariant) Inductor's reductions are
-    neither split nor cooperative whatever the row count; other graphs keep Inductor's choices."""
+    """In a forward graph holding glm53::bi_* ops (PrecisionConfig.batch_invariant) Inductor's
+    reductions are neither split nor cooperative whatever the row count; other graphs, backward
+    graphs of batch-invariant modules included (gradients carry no invariance contract), keep
+    Inductor's choices."""
     from torch._inductor.choices import InductorChoices
     from torch._inductor.virtualized import V
 
@@ -81,12 +83,14 @@ def test_batch_invariant_graphs_never_split_a_reduction(monkeypatch):
     monkeypatch.setattr(InductorChoices, "should_use_cooperative_reduction", staticmethod(lambda *a: True))
 
     class Lowering:  # what the choices read of a GraphLowering
-        def __init__(self, gm):
+        def __init__(self, gm, is_backward=False):
             self.module = gm
+            self.is_backward = is_backward
 
     dev = torch.device("cuda")
-    for gm, split, cooperative in ((invariant, 1, False), (plain, 7, True)):
-        with V.set_graph_handler(Lowering(gm)):
+    for gm, backward, split, cooperative in ((invariant, False, 1, False), (plain, False, 7, True),
+                                             (invariant, True, 7, True)):
+        with V.set_graph_handler(Lowering(gm, backward)):
             assert V.choices.reduction_split_factor(dev, 1 << 20, 1, True) == split
             assert V.choices.reduction_split_factor(dev, 1 << 20, 1, False) == split
             assert V.choices.should_use_cooperative_reduction(dev, 1, 1 << 20) is cooperative
