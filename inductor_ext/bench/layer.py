@@ -7,8 +7,10 @@ mHC parameters, as transformers loads them; the DSA layer's sparse attention thr
 ``PrecisionConfig.serving_aligned()`` (or ``reference()``), and for each variant:
 
 - ``fwd``: ``layer(x, cu_seqlens)`` under ``torch.no_grad()``;
-- ``fwd_bwd``: ``loss = layer(x, cu)[0].float().square().mean()`` then ``torch.autograd.grad`` of
-  x and every parameter (the indexer's are unused: it returns integer ids);
+- ``fwd_bwd``: ``loss = layer(x, cu)[0].float().square().flatten(1).mean(1).mean()`` (per token,
+  then over the tokens: a batch-invariant graph keeps every reduction unsplit, and one mean over
+  every element would run in a single program) then ``torch.autograd.grad`` of x and every
+  parameter (the indexer's are unused: it returns integer ids);
 
 compiled with ``backend="inductor", mode="reduce-overhead", fullgraph=True`` and
 ``triton.cudagraph_or_error`` (a cudagraph skip raises instead of silently running uncaptured),
@@ -179,7 +181,7 @@ def _build(kind: str, tokens: int, setup: _Setup):
 
 
 def _loss(layer, x, cu):
-    return layer(x, cu)[0].float().square().mean()
+    return layer(x, cu)[0].float().square().flatten(1).mean(1).mean()
 
 
 def _eager(layer, x, cu, params, variant, setup) -> dict:
