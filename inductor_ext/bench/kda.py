@@ -4,7 +4,8 @@ Peers timed in the same process at B=1, H=64, K=V=128: flash-linear-attention's 
 ``chunk_kda`` (L2 norm in kernel) on BF16 inputs, on FP32 inputs promoted before timing
 (``fla_chunk_kda_fp32``: the kernels alone) and promoted inside the timed call with the output cast
 back to BF16 (``fla_chunk_kda_fp32_promoting``: what a training stack pays to run KDA in FP32), ours
-``bf16`` and ours ``fp32`` (BF16 inputs, which its kernels read as they are). Forward: p50 / max of
+``bf16``, ours ``fp32`` (BF16 inputs, which its kernels read as they are) and ours ``fp32_causal``
+(the row-causal chunk path that batch-invariant layers run). Forward: p50 / max of
 single graph replays; forward+backward: the same for a graph that holds the forward and
 ``torch.autograd.grad`` of all five inputs.
 Inputs: :func:`inductor_ext.bench.inputs.kda_inputs` (one document, seed 0, drawn on the GPU).
@@ -30,6 +31,7 @@ def _peers():
     peers = {
         "ours_bf16": (lambda x: kda_chunk(*x.values(), precision="bf16"), torch.bfloat16),
         "ours_fp32": (lambda x: kda_chunk(*x.values(), precision="fp32"), torch.bfloat16),
+        "ours_fp32_causal": (lambda x: kda_chunk(*x.values(), precision="fp32_causal"), torch.bfloat16),
     }
     if backends.available("fla"):
         from fla.ops.kda import chunk_kda
