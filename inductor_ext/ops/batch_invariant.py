@@ -10,19 +10,23 @@ argument: :mod:`inductor_ext.ops.batch_invariant_reference` (the CPU kernels); C
 Triton (``inductor_ext/kernels/batch_invariant/``), with the reference on CUDA when triton is
 missing (logged once; the reference is batch-invariant on every device, only slower).
 
-Backward (``register_autograd``): every reduction is again one of these ops, so gradients are
-deterministic and their row-wise parts (dx) batch-invariant too:
+Backward (``register_autograd``): gradients are deterministic (bitwise repeatable for fixed
+shapes); batch invariance is a contract on forward values only (docs/DESIGN.md §9: gradients have no
+serving twin), so the linear's GEMMs run the device's own:
 
-- ``bi_linear``: ``dx = bi_linear(dy, weightᵀ)`` (a reduction over N in fixed K blocks), ``dweight =
-  bi_linear(dyᵀ, xᵀ)``: the reduction over the M rows runs in blocks of ``BLOCK_K`` rows in
-  ascending row order (a fixed function of M and of the rows' order, never split), ``dbias =
-  bi_row_sum(dyᵀ)`` (lanes over rows, ascending, then the tree).
-- ``bi_grouped_linear``: ``dx = bi_grouped_linear(dy, weightᵀ per group)`` (a strided view), so dx
-  rows are bi_linear's dx rows; ``dweight[e] = dy[group e]ᵀ · x[group e]`` by
+- ``bi_linear``: ``dx = dy · weight`` and ``dweight = dyᵀ · x`` by ``torch.matmul`` (cuBLAS on CUDA:
+  FP32 accumulation, deterministic for fixed shapes, its K order chosen by shape), in the
+  gradient's dtype when both operands have it, else in FP32; ``dbias = bi_row_sum(dyᵀ)`` (lanes over rows,
+  ascending, then the tree).
+- ``bi_grouped_linear``: BF16 with N and K multiples of 8 (``torch._grouped_mm``'s own limits,
+  static): ``dx`` and ``dweight`` by ``torch._grouped_mm`` (the plain experts' kernel; rows past the
+  last offset get an exact 0, an empty group's dweight is 0). Other dtypes and shapes keep
+  batch-invariant kernels: ``dx = bi_grouped_linear(dy, weightᵀ per group)`` (a strided view), so a
+  dx row is ``bi_linear(dy row, weight[e]ᵀ)``; ``dweight[e] = dy[group e]ᵀ · x[group e]`` by
   ``bi_grouped_linear_wgrad``: the bi_linear reduction over the group's rows (blocks of ``BLOCK_K``
   rows ascending from the group's first row; on CPU the reference per group, on CUDA the same
   Triton kernel in its ragged-K mode: the same block order, the MMA's order inside a block, no
-  split, deterministic), exact zeros for a group without rows; ``offs`` has no gradient.
+  split, deterministic), exact zeros for a group without rows. ``offs`` has no gradient.
 - norms and log-softmax: the row statistics (``Σ g·x̂``, ``Σ dy``) through ``bi_row_sum`` over the
   last dim; ``dweight``/``dbias`` through ``bi_row_sum`` of the transposed ``[D, M]`` products.
   Elementwise steps are plain torch ops (per element, so invariant on any device).
@@ -71,7 +75,7 @@ def _bi_grouped_linear_op(x: _T, weight: _T, offs: _T) -> _T:
 @torch.library.custom_op("glm53::bi_grouped_linear_wgrad", mutates_args=(), device_types="cpu")
 def _bi_grouped_linear_wgrad_op(dy: _T, x: _T, offs: _T, out_dtype: _DT) -> _T:
     """``dweight[e] = dy[group e]ᵀ · x[group e]`` → ``[E, N, K]`` in ``out_dtype`` (zeros for empty
-    groups), the weight gradient of ``bi_grouped_linear``."""
+    groups), the weight gradient of ``bi_grouped_linear`` where ``torch._grouped_mm`` does not fit."""
     with torch.no_grad():
         return ref.bi_grouped_linear_wgrad_reference(dy, x, offs, out_dtype)
 
@@ -164,7 +168,7 @@ _register_cuda(_bi_row_sum_op, "bi_row_sum", ref.bi_row_sum_reference, _cuda_row
 
 
 # ---------------------------------------------------------------------------------------------
-# autograd: every reduction of every backward is a batch-invariant op
+# autograd: deterministic; the row statistics through the batch-invariant ops, the linear's GEMMs plain
 # ---------------------------------------------------------------------------------------------
 
 
@@ -182,6 +186,13 @@ def _row_sum(t: _T) -> _T:
     return torch.ops.glm53.bi_row_sum(t).unsqueeze(-1)
 
 
+def _plain_mm(a: _T, b: _T, out_dtype: _DT) -> _T:
+    """``a · b`` → ``out_dtype`` by ``torch.matmul`` in that dtype when both operands have it, else in
+    FP32 (no intermediate rounding: CPU matmul has no ``out_dtype``)."""
+    compute = out_dtype if a.dtype == b.dtype == out_dtype else torch.float32
+    return torch.matmul(a.to(compute), b.to(compute)).to(out_dtype)
+
+
 def _linear_setup(ctx, inputs, output):
     x, weight, bias, _ = inputs
     ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -193,9 +204,9 @@ def _linear_backward(ctx, dy):
     dx = dw = db = None
     dy2 = _rows(dy)
     if ctx.needs_input_grad[0]:
-        dx = torch.ops.glm53.bi_linear(dy, weight.t(), None, x.dtype)
+        dx = _plain_mm(dy, weight, x.dtype)
     if ctx.needs_input_grad[1]:
-        dw = torch.ops.glm53.bi_linear(dy2.t(), _rows(x).t(), None, weight.dtype)
+        dw = _plain_mm(dy2.t(), _rows(x), weight.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
         db = _col_sum(dy2).to(ctx.bias_dtype)
     return dx, dw, db, None
@@ -206,13 +217,29 @@ def _grouped_linear_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, offs)
 
 
+def _grouped_mm_fits(x: _T, weight: _T) -> bool:
+    """Whether ``bi_grouped_linear``'s backward runs ``torch._grouped_mm``: BF16 operands whose rows
+    are 16-byte aligned (N and K multiples of 8). Static: dtypes and shapes only."""
+    return x.dtype == weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0 and weight.shape[2] % 8 == 0
+
+
 def _grouped_linear_backward(ctx, dy):
     x, weight, offs = ctx.saved_tensors
     dx = dw = None
+    plain = _grouped_mm_fits(x, weight)
+    dy = dy.to(x.dtype).contiguous() if plain else dy
     if ctx.needs_input_grad[0]:
-        dx = torch.ops.glm53.bi_grouped_linear(dy.to(x.dtype), weight.transpose(1, 2), offs)
+        if plain:
+            dx = torch._grouped_mm(dy, weight.contiguous(), offs=offs)
+            grouped = torch.arange(x.shape[0], device=x.device) < offs[-1]
+            dx = torch.where(grouped[:, None], dx, 0)  # rows past the last group: not written by _grouped_mm
+        else:
+            dx = torch.ops.glm53.bi_grouped_linear(dy.to(x.dtype), weight.transpose(1, 2), offs)
     if ctx.needs_input_grad[1]:
-        dw = torch.ops.glm53.bi_grouped_linear_wgrad(dy, x, offs, weight.dtype)
+        if plain:
+            dw = torch._grouped_mm(dy.t(), x.contiguous(), offs=offs)
+        else:
+            dw = torch.ops.glm53.bi_grouped_linear_wgrad(dy, x, offs, weight.dtype)
     return dx, dw, None
 
 
@@ -312,7 +339,8 @@ def bi_linear(x, weight, bias=None, *, out_dtype=None):
         ``x · weightᵀ + bias`` as ``[..., N]`` in ``out_dtype``: FP32 accumulation over K blocks of
         ``BLOCK_K`` (64) in ascending order, one rounding. Invariance contract: each output row is
         bitwise the same whatever the number of rows of ``x`` and the row's position among them.
-        Differentiable in every input (deterministic backward; see the module docstring).
+        Differentiable in every input (deterministic backward by torch.matmul, not batch-invariant;
+        see the module docstring).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     ref.validate_bi_linear_inputs(x, weight, bias, out_dtype)
@@ -335,8 +363,9 @@ def bi_grouped_linear(x, weight, offs):
         Invariance contract: every row is BITWISE ``bi_linear(x[r:r+1], weight[e])`` (that row
         alone), so it does not depend on how many rows each group has nor on the other groups (on
         CPU against the CPU reference, on CUDA against the Triton ``bi_linear``). Differentiable in
-        x and weight (dx through the same op with ``weight[e]ᵀ``; dweight per group in a fixed order,
-        exact zeros for an empty group; see the module docstring); offs has no gradient.
+        x and weight (deterministic; ``torch._grouped_mm`` for BF16 with N, K multiples of 8, else
+        batch-invariant kernels; exact zeros for an empty group; see the module docstring); offs
+        has no gradient.
 
     ``ValueError`` on bad dims, dtypes, devices, offs dtype/length or K mismatch; in eager mode
     (never while tracing or capturing) also on offsets that decrease or leave ``[0, M]`` (reads

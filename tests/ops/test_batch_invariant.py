@@ -95,38 +95,37 @@ def test_invariance_with_all_threads():
     assert torch.equal(one, fn(x)), f"{name}: one thread and several differ"
 
 
-def test_backward_dx_is_batch_invariant():
-    """dx rows of bi_linear and bi_rms_norm (given each row's dy) do not depend on the other rows."""
-    w = _randn(N, K, dtype=BF16, scale=K**-0.5, seed=1)
+def test_norm_backward_dx_is_batch_invariant():
+    """dx rows of bi_rms_norm (given each row's dy) do not depend on the other rows (its row
+    statistics run through bi_row_sum)."""
     g = _randn(D, dtype=BF16, seed=3) + 1
-
-    def dx_linear(x, dy):
-        x = x.clone().requires_grad_(True)
-        return torch.autograd.grad(bi.bi_linear(x, w), x, dy)[0]
 
     def dx_rms(x, dy):
         x = x.clone().requires_grad_(True)
         return torch.autograd.grad(bi.bi_rms_norm(x, g), x, dy)[0]
 
-    sizes = [1, 2, 3, 17, 33, 64]
-    for name, fn, inputs in (("linear", dx_linear, (_randn(64, K, dtype=BF16), _randn(64, N, dtype=BF16, seed=5))),
-                             ("rms_norm", dx_rms, (_randn(64, D, dtype=BF16), _randn(64, D, dtype=BF16, seed=5)))):
-        failures = check_batch_invariance(fn, inputs, sizes=sizes, big=512)
-        assert not failures, f"d{name}/dx: " + "; ".join(failures)
+    inputs = (_randn(64, D, dtype=BF16), _randn(64, D, dtype=BF16, seed=5))
+    failures = check_batch_invariance(dx_rms, inputs, sizes=[1, 2, 3, 17, 33, 64], big=512)
+    assert not failures, "drms_norm/dx: " + "; ".join(failures)
 
 
-def test_dweight_order_is_fixed_zero_rows_change_nothing():
-    """dweight of bi_linear reduces over rows in fixed 64-row blocks: rows with dy = 0 appended to
-    the batch add exact zeros, so dweight and dbias stay bitwise the same."""
-    x, w, b = _randn(70, K, dtype=BF16), _randn(N, K, dtype=BF16, seed=1).requires_grad_(True), _randn(N, seed=2)
-    b.requires_grad_(True)
-    dy = _randn(70, N, dtype=BF16, seed=5)
-    grads = torch.autograd.grad(bi.bi_linear(x, w, b), (w, b), dy)
-    x_pad = torch.cat([x, _randn(130, K, dtype=BF16, seed=6)])
-    dy_pad = torch.cat([dy, torch.zeros(130, N, dtype=BF16)])
-    grads_pad = torch.autograd.grad(bi.bi_linear(x_pad, w, b), (w, b), dy_pad)
-    for name, a, e in zip(("dweight", "dbias"), grads_pad, grads):
-        assert torch.equal(a, e), f"{name} changed when zero-gradient rows were appended"
+@pytest.mark.parametrize("x_dtype", [BF16, FP32], ids=["bf16", "fp32-x"])
+def test_linear_backward_gemms_are_torch_matmul(x_dtype):
+    """dx and dweight of bi_linear are torch.matmul of the same operands (in FP32 when a dtype differs),
+    bitwise, so the backward costs the device's GEMM; dbias is bi_row_sum's: rows with dy = 0
+    appended to the batch leave it bitwise unchanged."""
+    n = 300  # dx reduces over n, dweight over the 70 rows: several 64-long blocks each
+    x, w, b = _randn(70, K, dtype=x_dtype), _randn(n, K, dtype=BF16, seed=1), _randn(n, seed=2)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    dy = _randn(70, n, dtype=BF16, seed=5)
+    dx, dw, db = torch.autograd.grad(bi.bi_linear(*leaves, out_dtype=BF16), leaves, dy)
+    compute = BF16 if x_dtype == BF16 else FP32  # dx in FP32 for an FP32 x; dweight: x's dtype differs
+    assert torch.equal(dx, (dy.to(compute) @ w.to(compute)).to(x_dtype)), "dx is not torch.matmul's"
+    assert torch.equal(dw, (dy.to(compute).t() @ x.to(compute)).to(BF16)), "dweight is not torch.matmul's"
+    x_pad = torch.cat([x, _randn(130, K, dtype=x_dtype, seed=6)]).requires_grad_(True)
+    dy_pad = torch.cat([dy, torch.zeros(130, n, dtype=BF16)])
+    db_pad = torch.autograd.grad(bi.bi_linear(x_pad, leaves[1], leaves[2], out_dtype=BF16), leaves[2], dy_pad)[0]
+    assert torch.equal(db_pad, db), "dbias changed when zero-gradient rows were appended"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,8 +330,9 @@ def test_grouped_rows_equal_rows_alone(xd, wd):
 
 
 def test_grouped_backward_equals_bi_linear_per_group():
-    """dx rows are bi_linear's dx rows; dweight[e] is bitwise bi_linear's dweight of group e's rows
-    alone (its fixed 64-row blocks from the group's first row); an empty group's dweight is an exact 0."""
+    """dx rows are ``bi_linear(dy row, weight[e]ᵀ)``; dweight[e] is bitwise ``bi_linear(dyᵀ, xᵀ)`` of
+    group e's rows alone (its fixed 64-row blocks from the group's first row); an empty group's
+    dweight is an exact 0."""
     w = _grouped_weights(BF16).requires_grad_(True)
     counts = (70, 0, 1, 130, 9)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -345,10 +345,30 @@ def test_grouped_backward_equals_bi_linear_per_group():
         if hi == lo:
             assert torch.equal(dw[e], torch.zeros_like(dw[e])) and not torch.signbit(dw[e]).any()
             continue
-        xe, we = x[lo:hi].detach().requires_grad_(True), w[e].detach().requires_grad_(True)
-        dxe, dwe = torch.autograd.grad(bi.bi_linear(xe, we), (xe, we), dy[lo:hi])
-        assert torch.equal(dx[lo:hi], dxe), f"group {e}: dx differs from bi_linear's"
-        assert torch.equal(dw[e], dwe), f"group {e}: dweight differs from bi_linear's on the group alone"
+        xe, we, dye = x[lo:hi].detach(), w[e].detach(), dy[lo:hi]
+        assert torch.equal(dx[lo:hi], bi.bi_linear(dye, we.t())), f"group {e}: dx differs from bi_linear(dy, wᵀ)"
+        assert torch.equal(dw[e], bi.bi_linear(dye.t(), xe.t())), f"group {e}: dweight differs from bi_linear(dyᵀ, xᵀ)"
+
+
+def test_grouped_backward_runs_grouped_mm_where_it_fits():
+    """BF16 with N and K multiples of 8: dx and dweight are torch._grouped_mm's of the same operands
+    (bitwise), close to the FP64 VJP; rows past the last offset get dx = 0, an empty group dweight = 0."""
+    n, k, counts, tail = 96, 160, (140, 0, 23, 1, 75), 5  # reductions longer than one 64-block
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = _randn(sum(counts) + tail, k, dtype=BF16, seed=7).requires_grad_(True)
+    w = _randn(E_GROUPS, n, k, dtype=BF16, scale=k**-0.5, seed=1).requires_grad_(True)
+    dy = _randn(x.shape[0], n, dtype=BF16, seed=9)
+    dx, dw = torch.autograd.grad(bi.bi_grouped_linear(x, w, offs), (x, w), dy)
+    end = offs[-1].item()
+    assert torch.equal(dx[:end], torch._grouped_mm(dy, w.detach(), offs=offs)[:end]), "dx is not _grouped_mm's"
+    assert torch.equal(dw, torch._grouped_mm(dy.t(), x.detach(), offs=offs)), "dweight is not _grouped_mm's"
+    assert torch.equal(dx[end:], torch.zeros_like(dx[end:])), "rows past the last offset: dx = 0"
+    assert torch.equal(dw[1], torch.zeros_like(dw[1])), "the empty group's dweight must be 0"
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (x, w)]
+    grads64 = torch.autograd.grad(grouped_linear_fp64(*leaves64, offs), leaves64, dy.double())
+    for name, g, g64 in zip(("dx", "dweight"), (dx, dw), grads64):
+        err, tol = rel_l2(g, g64), GRAD_FLOOR_FACTOR * rounding_floor(g64, BF16)
+        assert err <= tol, f"grouped {name}: relative L2 {err:.2e} > {tol:.2e}"
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
