@@ -10,9 +10,11 @@ anywhere in a row). The op runs the Triton forward for every other geometry.
 
 Three warpgroups of 128 threads share the CTA:
 
-- the producer gathers the listed latent rows, ``BLOCK`` ids at a time, with ``cp.async`` into one
-  of two shared buffers (each row split into a left and a right half of ``D / 2`` columns); a
-  padding id loads row 0 (its scores are masked, so its probabilities are exact zeros);
+- the producer first loads the query's 64 heads into shared memory (``cp.async``, completing
+  ``bar_q``, in flight while the CTA scans its id row), then gathers the listed latent rows,
+  ``BLOCK`` ids at a time, with ``cp.async`` into one of two shared buffers (each row split into a
+  left and a right half of ``D / 2`` columns); a padding id loads row 0 (its scores are masked, so
+  its probabilities are exact zeros);
 - consumer 0 computes the scores of the 64 heads against the block (``wgmma``, M = heads, K = D),
   masks padding to ``-inf``, runs the FP32 online softmax (base 2), writes the probabilities rounded
   to BF16 and the rescale factors to shared memory, and accumulates the left half of the output;
@@ -156,7 +158,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
             span = T.alloc_shared([2], "int32")
             lo_hi = T.alloc_local([2], "int32")
 
-            bar_q = T.alloc_barrier(384)
+            bar_q = T.alloc_barrier(128)
             full = T.alloc_barrier([256, 256])
             empty = T.alloc_barrier([256, 256])
             p_full = T.alloc_barrier(128)
@@ -167,6 +169,17 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
             h0 = (bx % NHG) * HB
             tx = T.get_thread_binding()
 
+            # the query's heads by 16-byte cp.async from the producer's threads, in flight during the
+            # span scan (T.copy by all 384 threads lowers to 2-byte loads: 64 rows do not split by 3)
+            if tx >= 256:
+                for r in T.unroll(HB * DH // 8 // 128):
+                    chunk = r * 128 + tx - 256
+                    row, col = chunk // (DH // 8), chunk % (DH // 8) * 8
+                    T.ptx_cp_async(T.access_ptr(q_l[row, col], "w", extent=8),
+                                   T.access_ptr(Q[t, h0 + row, col], "r", extent=8), 8)
+                    T.ptx_cp_async(T.access_ptr(q_r[row, col], "w", extent=8),
+                                   T.access_ptr(Q[t, h0 + row, DH + col], "r", extent=8), 8)
+                T.cp_async_barrier_noinc(bar_q[0])
             # the row's span [first valid id, last valid id]: blocks outside it are not visited
             if tx == 0:
                 span[0] = width
@@ -183,9 +196,6 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
                         lo_hi[1] = T.max(lo_hi[1], pos + 1)
             T.atomic_min(span[0], lo_hi[0])
             T.atomic_max(span[1], lo_hi[1])
-            T.copy(Q[t, h0:h0 + HB, 0:DH], q_l)
-            T.copy(Q[t, h0:h0 + HB, DH:D], q_r)
-            T.barrier_arrive(bar_q[0])
             T.sync_threads()
             k_lo = span[0] // (2 * BI)
             k_hi = T.ceildiv(span[1], 2 * BI)
