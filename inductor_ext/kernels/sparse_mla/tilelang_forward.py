@@ -102,6 +102,12 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
         T.barrier_arrive(c.empty[b])
 
     @T.macro
+    def copy_halves(dst_l, dst_r, src_l, src_r):
+        """One 16-byte ``cp.async`` into each half-row buffer (8 BF16 columns from each source)."""
+        T.ptx_cp_async(T.access_ptr(dst_l, "w", extent=8), T.access_ptr(src_l, "r", extent=8), 8)
+        T.ptx_cp_async(T.access_ptr(dst_r, "w", extent=8), T.access_ptr(src_r, "r", extent=8), 8)
+
+    @T.macro
     def gather(c, i, kv_l, kv_r, b, rnd):
         p = c.tx - 256
         for r in T.unroll(BI // 16):  # this thread's 4 ids first: independent loads, before the wait
@@ -117,10 +123,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
             src = T.max(c.row_id[r], 0)
             for u in T.unroll(DH // 64):
                 col = 64 * u + (p % 8) * 8
-                T.ptx_cp_async(T.access_ptr(kv_l[row, col], "w", extent=8),
-                               T.access_ptr(c.KV[src, col], "r", extent=8), 8)
-                T.ptx_cp_async(T.access_ptr(kv_r[row, col], "w", extent=8),
-                               T.access_ptr(c.KV[src, DH + col], "r", extent=8), 8)
+                copy_halves(kv_l[row, col], kv_r[row, col], c.KV[src, col], c.KV[src, DH + col])
         T.barrier_arrive(c.full[b])  # the bias store (release); the rows arrive by cp.async completion
         T.cp_async_barrier_noinc(c.full[b])
 
@@ -170,15 +173,13 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
             tx = T.get_thread_binding()
 
             # the query's heads by 16-byte cp.async from the producer's threads, in flight during the
-            # span scan (T.copy by all 384 threads lowers to 2-byte loads: 64 rows do not split by 3)
+            # span scan (T.copy by all 384 threads lowers to 2-byte loads: a half's 2048 16-byte
+            # chunks do not split evenly over 384 threads)
             if tx >= 256:
                 for r in T.unroll(HB * DH // 8 // 128):
                     chunk = r * 128 + tx - 256
                     row, col = chunk // (DH // 8), chunk % (DH // 8) * 8
-                    T.ptx_cp_async(T.access_ptr(q_l[row, col], "w", extent=8),
-                                   T.access_ptr(Q[t, h0 + row, col], "r", extent=8), 8)
-                    T.ptx_cp_async(T.access_ptr(q_r[row, col], "w", extent=8),
-                                   T.access_ptr(Q[t, h0 + row, DH + col], "r", extent=8), 8)
+                    copy_halves(q_l[row, col], q_r[row, col], Q[t, h0 + row, col], Q[t, h0 + row, DH + col])
                 T.cp_async_barrier_noinc(bar_q[0])
             # the row's span [first valid id, last valid id]: blocks outside it are not visited
             if tx == 0:
