@@ -4,7 +4,7 @@ Contract: ``docs/DESIGN.md`` §4 "sparse_mla"; numerics and input rules:
 :mod:`inductor_ext.ops.sparse_mla_reference` (the CPU kernels, plain torch). CUDA kernels
 (:mod:`inductor_ext.kernels.sparse_mla`): the forward is TileLang's warp-specialised kernel where it
 supports the geometry (sm_90, H a multiple of 64, D = d_v ∈ {256, 512}, BF16) and the ``tilelang`` extra
-imports, else Triton (a missing tilelang is logged once); the backward is Triton. Without triton the
+imports, else Triton (a missing tilelang is logged once); the backward routes the same way. Without triton the
 plain-torch reference runs on CUDA too, logged once. Static output shapes and no host
 synchronisation in the ops, so a layer that calls them compiles into one graph and captures into a
 CUDA graph. ``token_ids`` get no gradient.
@@ -78,17 +78,21 @@ def _tilelang_fwd():
     return kernel
 
 
-def _fwd_route(q, kv, token_ids, scale, d_v, deterministic):
+def _route(op_name, supports, tilelang_loader, triton_loader, q, kv, token_ids, d_v):
     """``("tilelang", loader)`` where that kernel supports the geometry and tilelang imports (else
     logged once), otherwise ``("triton", loader)``."""
     if not backends.available("triton"):  # the kernel package imports triton; the router logs the fallback
-        return "triton", _triton_fwd
+        return "triton", triton_loader
+    if (supports(q, kv, token_ids, d_v, torch.cuda.get_device_capability(q.device))
+            and backends.load("tilelang", op_name, fallback="the Triton kernel") is not None):
+        return "tilelang", tilelang_loader
+    return "triton", triton_loader
+
+
+def _fwd_route(q, kv, token_ids, scale, d_v, deterministic):
     from inductor_ext.kernels.sparse_mla.tilelang_forward import supports
 
-    if (supports(q, kv, token_ids, d_v, torch.cuda.get_device_capability(q.device))
-            and backends.load("tilelang", "glm53::sparse_mla", fallback="the Triton forward") is not None):
-        return "tilelang", _tilelang_fwd
-    return "triton", _triton_fwd
+    return _route("glm53::sparse_mla", supports, _tilelang_fwd, _triton_fwd, q, kv, token_ids, d_v)
 
 
 @functools.cache
@@ -101,8 +105,24 @@ def _triton_bwd():
     return kernel
 
 
+@functools.cache
+def _tilelang_bwd():
+    from inductor_ext.kernels.sparse_mla.tilelang_backward import sparse_mla_bwd_tilelang
+
+    def kernel(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, deterministic):
+        return sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, deterministic=deterministic)
+
+    return kernel
+
+
+def _bwd_route(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, deterministic):
+    from inductor_ext.kernels.sparse_mla.tilelang_backward import supports
+
+    return _route("glm53::sparse_mla_bwd", supports, _tilelang_bwd, _triton_bwd, q, kv, token_ids, d_v)
+
+
 backends.register_cuda_router(_sparse_mla_op, "glm53::sparse_mla", _fwd_route, _plain_fwd, fallback=_FALLBACK)
-backends.register_cuda_kernel(_sparse_mla_bwd_op, "glm53::sparse_mla_bwd", "triton", _plain_bwd, _triton_bwd,
+backends.register_cuda_router(_sparse_mla_bwd_op, "glm53::sparse_mla_bwd", _bwd_route, _plain_bwd,
                               fallback=_FALLBACK)
 
 
@@ -145,9 +165,10 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
         d_v: value width, ``1 <= d_v <= D``; ``None`` means D.
         return_lse: also return ``lse`` (differentiable).
         deterministic: the backward's ``dkv`` is bitwise repeatable (CUDA: integer atomics into
-            an int32 fixed point with one scale per latent row). ``False`` lets the CUDA kernel
-            add FP32 tiles with FP32 atomics (faster, order-dependent rounding). No effect on the
-            forward or on the CPU.
+            a fixed point: int64 with one scale for the tensor in the TileLang kernel, int32 with
+            one scale per latent row in the Triton one). ``False`` lets the CUDA kernel add FP32
+            contributions with FP32 atomics (order-dependent rounding). No effect on the forward
+            or on the CPU.
 
     Returns:
         ``out [T, H, d_v]`` in q's dtype, and with ``return_lse`` the tuple ``(out, lse)``,
@@ -157,11 +178,12 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
     computes everything in FP32; the CUDA forward feeds the probabilities to the value MMA rounded
     to the input dtype (one extra rounding per probability; measured ~1.1x the BF16 rounding floor
     of out against FP64). Gradients ``dq``, ``dkv`` (in q's / kv's dtype) are accumulated in
-    FP32 (CUDA dkv: fixed point at 2^-29 of each row's bound, measured ~2^-15 of an element) and
-    rounded once; ``token_ids`` get none.
+    FP32 (CUDA dkv: fixed point at 2^-60 of the tensor's bound in the TileLang kernel, at 2^-29 of
+    each row's bound in the Triton one, measured ~2^-15 of an element) and rounded once;
+    ``token_ids`` get none.
     Memory: nothing ``[T, S]`` is ever built; the CPU kernel works on chunks of query rows
     (:data:`~inductor_ext.ops.sparse_mla_reference.CHUNK_BYTES`), the CUDA backward holds an
-    ``[S, D]`` accumulator of 4 bytes an element.
+    ``[S, D]`` accumulator of 8 (TileLang) or 4 (Triton) bytes an element.
     """
     if isinstance(kv, torch.Tensor) and kv.dim() == 2 and d_v is None:
         d_v = kv.shape[1]

@@ -139,3 +139,22 @@ def apply_bf16_rounding_shim() -> None:
 
     interp.InterpreterBuilder.create_fp_trunc = create_fp_trunc
     interp._glm53_bf16_rtne = True
+
+
+def awkward_ids_inputs(T, H, D, S, W, id_dtype, seed=0):
+    """``(q, kv, ids)`` in BF16 with 30 % padding anywhere and, for T > 3, an empty row, a row of one
+    id, a long leading padded span (odd first visited block pair) and, for W > 128, exactly 128
+    leading padding ids."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(T, H, D, generator=gen) * 2).bfloat16()
+    kv = torch.randn(S, D, generator=gen).bfloat16()
+    ids = torch.randint(0, S, (T, W), generator=gen)
+    ids[torch.rand(T, W, generator=gen) < 0.3] = -1
+    if T > 3:
+        ids[1] = -1  # an empty row
+        ids[2] = -1
+        ids[2, W // 2] = 3  # one id in the middle of a padded row
+        ids[3, : W - 5] = -1  # a leading padded span (W 200, 2051: the first visited block pair is odd)
+    if T > 4 and W > 128:
+        ids[4, :128] = -1  # exactly one leading pair of blocks skipped
+    return q, kv, ids.to(id_dtype)

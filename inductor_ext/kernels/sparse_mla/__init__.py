@@ -1,7 +1,7 @@
 """CUDA kernels of ``glm53::sparse_mla``: Triton :func:`sparse_mla_fwd` (``forward.py``) and
 :func:`sparse_mla_bwd` (``backward.py``, deterministic fixed-point ``dkv``); the TileLang
-forward for sm_90 lives in ``tilelang_forward.py`` (imported on its own: it needs the ``tilelang``
-extra when a kernel is built).
+forward and backward for sm_90 live in ``tilelang_forward.py`` and ``tilelang_backward.py``
+(imported on their own: they need the ``tilelang`` extra when a kernel is built).
 
 The modules import only torch and triton, so a GPU machine can load them by path without the
 package (``importlib.util.spec_from_file_location``)."""

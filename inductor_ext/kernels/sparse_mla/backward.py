@@ -78,7 +78,7 @@ except ImportError:  # pragma: no cover - standalone load
     LOG2E, _dot_precision, _idx32, _load_tile, _valid_span, chunking = (
         _fwd.LOG2E, _fwd._dot_precision, _fwd._idx32, _fwd._load_tile, _fwd._valid_span, _fwd.chunking)
 
-__all__ = ["sparse_mla_bwd", "fixed_point_scale", "row_scales", "bwd_config"]
+__all__ = ["sparse_mla_bwd", "fixed_point_scale", "row_scales", "bwd_config", "softmax_delta"]
 
 BOUND_HEADROOM_BITS = 60  # the total of the slot bounds is scaled to at most 2^60 (int64 holds 2^63 - 1)
 ROW_HEADROOM_BITS = 29  # a row's bound B_s is scaled to at most 2^29 (int32 holds 2^31 - 1)
@@ -318,6 +318,30 @@ def _fixed_to_float_kernel(acc_ptr, out_ptr, inv_ptr, N, D: tl.constexpr, DC: tl
     x = (acc.to(tl.float32) * tl.load(inv_ptr + row * 2, mask=mask, other=0.0)) * tl.load(
         inv_ptr + row * 2 + 1, mask=mask, other=0.0)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _delta_kernel(o_ptr, do_ptr, dlse_ptr, out_ptr, s_o, s_do, DV: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = Σ_d o[r, d] · do[r, d] − dlse[r] in FP32, one (query, head) row ``r`` per program."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < DV
+    o = tl.load(o_ptr + r * s_o + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(do_ptr + r * s_do + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r, tl.sum(o * g, 0) - tl.load(dlse_ptr + r))
+
+
+def softmax_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor) -> torch.Tensor:
+    """``delta [T, H]`` FP32 ``= Σ_d out · dout − dlse`` (the softmax backward's row term), without
+    FP32 copies of ``out`` or ``dout``."""
+    T, H, d_v = out.shape
+    out, dout = (x if x.stride(-1) == 1 and x.stride(0) == H * x.stride(1) else x.contiguous() for x in (out, dout))
+    dlse = dlse.float().contiguous()
+    delta = torch.empty((T, H), dtype=torch.float32, device=out.device)
+    if T * H:
+        _delta_kernel[(T * H,)](out, dout, dlse, delta, out.stride(1), dout.stride(1), DV=d_v,
+                                BLOCK=triton.next_power_of_2(d_v))
+    return delta
 
 
 def _absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
