@@ -165,10 +165,9 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
         d_v: value width, ``1 <= d_v <= D``; ``None`` means D.
         return_lse: also return ``lse`` (differentiable).
         deterministic: the backward's ``dkv`` is bitwise repeatable (CUDA: integer atomics into
-            a fixed point: int64 with one scale for the tensor in the TileLang kernel, int32 with
-            one scale per latent row in the Triton one). ``False`` lets the CUDA kernel add FP32
-            contributions with FP32 atomics (order-dependent rounding). No effect on the forward
-            or on the CPU.
+            an int32 fixed point with one scale per latent row, two fields per 64-bit atomic).
+            ``False`` lets the CUDA kernel add FP32 contributions with FP32 atomics (faster,
+            order-dependent rounding). No effect on the forward or on the CPU.
 
     Returns:
         ``out [T, H, d_v]`` in q's dtype, and with ``return_lse`` the tuple ``(out, lse)``,
@@ -178,12 +177,11 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
     computes everything in FP32; the CUDA forward feeds the probabilities to the value MMA rounded
     to the input dtype (one extra rounding per probability; measured ~1.1x the BF16 rounding floor
     of out against FP64). Gradients ``dq``, ``dkv`` (in q's / kv's dtype) are accumulated in
-    FP32 (CUDA dkv: fixed point at 2^-60 of the tensor's bound in the TileLang kernel, at 2^-29 of
-    each row's bound in the Triton one, measured ~2^-15 of an element) and rounded once;
-    ``token_ids`` get none.
+    FP32 (CUDA dkv: fixed point at 2^-29 of each row's bound, measured ~2^-15 of an element) and
+    rounded once; ``token_ids`` get none.
     Memory: nothing ``[T, S]`` is ever built; the CPU kernel works on chunks of query rows
     (:data:`~inductor_ext.ops.sparse_mla_reference.CHUNK_BYTES`), the CUDA backward holds an
-    ``[S, D]`` accumulator of 8 (TileLang) or 4 (Triton) bytes an element.
+    ``[S, D]`` accumulator of 4 bytes an element.
     """
     if isinstance(kv, torch.Tensor) and kv.dim() == 2 and d_v is None:
         d_v = kv.shape[1]

@@ -4,7 +4,8 @@ CPU: the kernel takes the forward's geometries and the op routes its backward li
 (TileLang where supported and installed, else Triton, the missing extra logged once). ``cuda``: dq
 and dkv against the FP64 VJP (relative L2 <= 1e-2) at awkward cases (padding anywhere, an empty
 row, a row of one id, duplicate ids, H 64 / 128, D 256 / 512, int32 / int64 ids), bitwise equal run
-to run, the FP32-atomic variant within the same bound, the op routed to the kernel and captured in
+to run, the int64 and FP32-atomic variants within the same bound, a rarely picked latent row as
+precise as a popular one, the op routed to the kernel and captured in
 a CUDA graph; these skip unless an sm_90 GPU and tilelang are present.
 """
 
@@ -102,6 +103,9 @@ def test_backward_matches_fp64_and_repeats(case):
     assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2), "not bitwise repeatable"
     _, dkv_f = tlb.sparse_mla_bwd_tilelang(*args, deterministic=False)
     assert_rel_l2("dkv (fp32 atomics)", dkv_f.cpu(), dkv64, GRAD_TOL)
+    dq64b, dkv_64 = tlb.sparse_mla_bwd_tilelang(*args, accumulator="fixed64")
+    assert torch.equal(dq, dq64b), "dq depends on the dkv accumulator"
+    assert_rel_l2("dkv (int64, one scale)", dkv_64.cpu(), dkv64, GRAD_TOL)
 
 
 @pytest.mark.cuda
@@ -130,3 +134,29 @@ def test_op_routes_backward_to_tilelang_and_captures():
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(captured, eager)), "graph replay differs from eager"
+
+
+@pytest.mark.cuda
+@gpu
+@pytest.mark.parametrize("accumulator", ["fixed32x2", "fixed64"])
+def test_rarely_picked_row_keeps_its_precision(accumulator):
+    """Latent row 1 is listed by one query, row 0 by every query with gradients ~1e6 times larger.
+    One int32 scale for the whole tensor would quantize row 1 at 2^-29 of row 0's bound (~2^-5 of
+    row 1); its own scale (``fixed32x2``) or 60 bits (``fixed64``) keep it at the BF16 rounding."""
+    T, H, D = 24, 64, 256
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(T, H, D, generator=gen).bfloat16()
+    kv = torch.randn(3, D, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 2, -1]] * T, dtype=torch.int32)
+    ids[5, 2] = 1
+    dout = torch.randn(T, H, D, generator=gen) * 1e3
+    dout[5] *= 1e-6
+    dout = dout.bfloat16()
+    dlse = torch.zeros(T, H)
+    _, _, _, dkv64 = fp64_vjp(q, kv, ids, D ** -0.5, D, dout, dlse)
+    qc, kvc, idc = q.cuda(), kv.cuda(), ids.cuda()
+    out, lse = tlf.sparse_mla_fwd_tilelang(qc, kvc, idc, D ** -0.5, D)
+    _, dkv = tlb.sparse_mla_bwd_tilelang(qc, kvc, idc, out, lse, dout.cuda(), dlse.cuda(), D ** -0.5,
+                                         accumulator=accumulator)
+    for row in (0, 1):
+        assert_rel_l2(f"dkv row {row}", dkv[row].cpu(), dkv64[row], 5e-3)

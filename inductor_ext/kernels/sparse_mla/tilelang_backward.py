@@ -19,12 +19,21 @@ the block, computed with the ids as the MMA's M dimension (``sᵀ``, ``dpᵀ``: 
 
 ``delta = Σ dO · out − dlse`` ``[T, H]`` FP32 is an input (computed beforehand).
 
-The accumulator is ``int64`` fixed point (``fx``: two FP32 factors whose product is ``2^F``, from
-the bound of the Triton backward's :func:`~.backward.fixed_point_scale`: every partial sum of an
-element stays below 2^60), each contribution rounded to the nearest integer (ties to even) and
-added by an integer atomic: integer addition is associative, so the sum is bitwise the same in
-any order. With ``float32`` accumulation (``deterministic=False``) the contributions are added by
-FP32 atomics (order-dependent rounding).
+The ``[S, D]`` accumulator (launch modes, :data:`MODES`):
+
+- ``fixed32x2`` (the default, deterministic): the Triton backward's fixed point
+  (:mod:`~.backward`): int32 fields with one scale ``2^F_s`` per latent row, from each row's bound
+  ``B_s = Σ_{(t,j)→s} c[t,j]``, ``c[t,j] = Σ_h |ds| · max|q[t,h]| + p · max|dO[t,h]|``. A first
+  launch (``bound``) computes only ``sᵀ``, ``dpᵀ`` and ``ds`` and adds the ``c`` into an int64 ``[S]``
+  accumulator (fixed point of :func:`~.backward.fixed_point_scale`); the second rounds each
+  contribution at its row's scale (ties to even) and adds a thread's two adjacent columns as one
+  64-bit integer ``hi · 2^32 + lo`` (``_PAIR_ADD``), half the atomics of one per element;
+- ``fixed64`` (deterministic, one launch): int64 fixed point with one scale for the tensor (every
+  partial sum below 2^60), one 64-bit integer atomic per element;
+- ``float32`` (``deterministic=False``): FP32 atomics, two columns per instruction (order-dependent
+  rounding).
+
+Integer addition is associative, so the integer accumulators are bitwise the same in any order.
 
 Rows of ids are handled as in the forward: the id row's first and last valid position bound the
 visited blocks, a padding id loads row 0, its scores are masked through a per-block bias and it
@@ -54,8 +63,23 @@ def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: in
             and d_v == D and D in (256, 512) and token_ids.dtype in (torch.int32, torch.int64))
 
 
+MODES = ("fixed64", "fixed32x2", "float32", "bound")
+
+# Two adjacent int32 fields added as one 64-bit integer: hi · 2^32 + lo (lo sign-extended). The low
+# field's carries land in the high one; each field's sum stays inside int32, so the word's low 32
+# bits are the low field's sum and (word - lo) >> 32 the high field's (``_unpack_pairs``).
+_PAIR_ADD = """
+__device__ __forceinline__ void AtomicAddx2(int *ref, const int *val, int memory_order = 0) {
+  long long w = (static_cast<long long>(val[1]) << 32) + static_cast<long long>(val[0]);
+  atomicAdd(reinterpret_cast<unsigned long long *>(ref), static_cast<unsigned long long>(w));
+}
+"""
+
+
 @functools.cache
-def _kernel(H: int, D: int, scale: float, ids_dtype: str, acc_dtype: str):
+def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
+    """The launch for ``mode``: ``fixed64`` / ``fixed32x2`` / ``float32`` accumulate dq and dkv
+    (module doc), ``bound`` only adds each listed slot's bound into ``Acc[:, 0]``."""
     import tilelang
     import tilelang.language as T
 
@@ -66,23 +90,36 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, acc_dtype: str):
     NHG = H // HB
     sl2 = scale * 1.4426950408889634
     bf16, f32 = "bfloat16", "float32"
-    fixed = acc_dtype == "int64"
+    grads = mode != "bound"
+    acc_dtype = {"fixed64": "int64", "float32": "float32", "fixed32x2": "int32", "bound": "int64"}[mode]
+    acc_width = 1 if mode == "bound" else D
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
+    n_max, n_scales, n_dq = T.dynamic("TM"), T.dynamic("NS"), T.dynamic("TQ")
+
+    def fixed(x, c, k):  # x scaled by the two factors of scale row k, rounded (ties to even)
+        return T.round(x * c.Scales[k, 0] * c.Scales[k, 1])
 
     @T.macro
-    def add_piece(c, acc_k, par, col0):
+    def add_piece(c, acc_k, acc_x, par, col0):
         """acc[ids, col0 : col0 + DP] += acc_k at the block's valid rows."""
-        for i, j in T.Parallel(BI, DP):
-            row = c.ids_sh[par * BI + i]
-            if row >= 0:
-                if fixed:
-                    T.atomic_add(c.Acc[row, col0 + j],
-                                 T.Cast("int64", T.round(acc_k[i, j] * c.fx[0] * c.fx[1])))
-                else:
-                    T.atomic_add(c.Acc[row, col0 + j], acc_k[i, j])
+        if mode == "fixed32x2":  # int32 fields; each thread's column pairs go as one 64-bit add
+            for i, j in T.Parallel(BI, DP):
+                acc_x[i, j] = T.Cast("int32", fixed(acc_k[i, j], c, T.max(c.ids_sh[par * BI + i], 0)))
+            for i, j in T.Parallel(BI, DP // 2):
+                row = c.ids_sh[par * BI + i]
+                if row >= 0:
+                    T.atomic_addx2(c.Acc[row, col0 + 2 * j], acc_x[i, 2 * j])
+        else:
+            for i, j in T.Parallel(BI, DP):
+                row = c.ids_sh[par * BI + i]
+                if row >= 0:
+                    if mode == "fixed64":
+                        T.atomic_add(c.Acc[row, col0 + j], T.Cast("int64", fixed(acc_k[i, j], c, 0)))
+                    else:
+                        T.atomic_add(c.Acc[row, col0 + j], acc_k[i, j])
 
     @T.macro
-    def dq_and_dk(c, acc_dq, acc_k, first, par):
+    def dq_and_dk(c, acc_dq, acc_k, acc_x, first, par):
         """This consumer's dq pieces, the gather buffer's release, then its dk pieces."""
         for u in halves:
             T.wgmma_gemm(c.ds_sh, c.kv_s[first + u], acc_dq[u], transpose_A=True)
@@ -92,38 +129,63 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, acc_dtype: str):
             T.wgmma_gemm(c.ds_sh, c.q_s[first + u], acc_k, clear_accum=True)
             T.wgmma_gemm(c.p_sh, c.do_s[first + u], acc_k)
             T.wait_wgmma(0)
-            add_piece(c, acc_k, par, (first + u) * DP)
+            add_piece(c, acc_k, acc_x, par, (first + u) * DP)
         T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
-    def probabilities(c, j, acc_t, acc_dq, acc_k):
+    def add_bounds(c, acc_t, par):
+        """Acc[id, 0] += ceil(Σ_h |ds| · max|q| + p · max|dO|) (fixed point of Scales[0]) per valid id."""
+        for i, h in T.Parallel(BI, HB):
+            acc_t[i, h] = T.abs(acc_t[i, h]) * c.qmax_sh[h] + c.pf_sh[i, h] * c.gmax_sh[h]
+        T.reduce_sum(acc_t, c.bound_f, dim=1)
+        T.copy(c.bound_f, c.bound_sh)
+        lt = c.tx - 128
+        if lt < BI:
+            row = c.ids_sh[par * BI + lt]
+            if row >= 0:
+                T.atomic_add(c.Acc[row, 0], T.Cast("int64", T.ceil(c.bound_sh[lt] * c.Scales[0, 0] * c.Scales[0, 1])))
+        T.barrier_arrive(c.pds_empty[0])
+
+    @T.macro
+    def probabilities(c, j, acc_t, acc_dq, acc_k, acc_x):
         T.barrier_wait(c.full[0], j & 1)
         for i, h in T.Parallel(BI, HB):
             acc_t[i, h] = c.bias[i]
         for u in pieces:
             T.wgmma_gemm(c.kv_s[u], c.q_s[u], acc_t, transpose_B=True)
         T.wait_wgmma(0)
+        if not grads:
+            T.barrier_arrive(c.empty[0])
         T.barrier_wait(c.pds_empty[0], (j & 1) ^ 1)
         for i, h in T.Parallel(BI, HB):
             acc_t[i, h] = T.exp2(acc_t[i, h] * sl2 - c.lse_sh[h])
         T.copy(acc_t, c.pf_sh)
-        T.copy(acc_t, c.p_sh)
+        if grads:
+            T.copy(acc_t, c.p_sh)
         T.barrier_arrive(c.p_full[0])
-        T.barrier_wait(c.ds_full[0], j & 1)
-        dq_and_dk(c, acc_dq, acc_k, 0, j & 1)
+        if grads:
+            T.barrier_wait(c.ds_full[0], j & 1)
+            dq_and_dk(c, acc_dq, acc_k, acc_x, 0, j & 1)
+        else:
+            T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
-    def score_grads(c, j, acc_t, acc_dq, acc_k):
+    def score_grads(c, j, acc_t, acc_dq, acc_k, acc_x):
         T.barrier_wait(c.full[0], j & 1)
         for u in pieces:
             T.wgmma_gemm(c.kv_s[u], c.do_s[u], acc_t, transpose_B=True, clear_accum=u == 0)
         T.wait_wgmma(0)
+        if not grads:
+            T.barrier_arrive(c.empty[0])
         T.barrier_wait(c.p_full[0], j & 1)
         for i, h in T.Parallel(BI, HB):
             acc_t[i, h] = c.pf_sh[i, h] * (acc_t[i, h] - c.delta_sh[h]) * scale
-        T.copy(acc_t, c.ds_sh)
-        T.barrier_arrive(c.ds_full[0])
-        dq_and_dk(c, acc_dq, acc_k, HALF, j & 1)
+        if grads:
+            T.copy(acc_t, c.ds_sh)
+            T.barrier_arrive(c.ds_full[0])
+            dq_and_dk(c, acc_dq, acc_k, acc_x, HALF, j & 1)
+        else:
+            add_bounds(c, acc_t, j & 1)
 
     @T.macro
     def write_dq(c, acc_dq, first):
@@ -163,11 +225,12 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, acc_dtype: str):
         dO: T.Tensor([n_rows, H, D], bf16),
         Lse: T.Tensor([n_rows, H], f32),
         Delta: T.Tensor([n_rows, H], f32),
-        Fx: T.Tensor([2], f32),
-        Acc: T.Tensor([n_keys, D], acc_dtype),
-        dQ: T.Tensor([n_rows, H, D], bf16),
+        Maxima: T.Tensor([n_max, H, 2], f32),
+        Scales: T.Tensor([n_scales, 2], f32),
+        Acc: T.Tensor([n_keys, acc_width], acc_dtype),
+        dQ: T.Tensor([n_dq, H, D], bf16),
     ):
-        with T.Kernel(n_rows * NHG, threads=384) as bx:
+        with T.Kernel(n_rows * NHG, threads=384, prelude=_PAIR_ADD) as bx:
             q_s = [T.alloc_shared([HB, DP], bf16) for _ in range(NP)]
             do_s = [T.alloc_shared([HB, DP], bf16) for _ in range(NP)]
             kv_s = [T.alloc_shared([BI, DP], bf16) for _ in range(NP)]
@@ -176,6 +239,9 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, acc_dtype: str):
             pf_sh = T.alloc_shared([BI, HB], f32)
             lse_sh = T.alloc_shared([HB], f32)
             delta_sh = T.alloc_shared([HB], f32)
+            qmax_sh = T.alloc_shared([HB], f32)
+            gmax_sh = T.alloc_shared([HB], f32)
+            bound_sh = T.alloc_shared([BI], f32)
             bias = T.alloc_shared([BI], f32)
             ids_sh = T.alloc_shared([2 * BI], ids_dtype)
             span = T.alloc_shared([2], "int32")
@@ -183,9 +249,10 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, acc_dtype: str):
             # each consumer its own fragments: with one fragment written in both branches TileLang
             # 0.1.15 dropped consumer 1's element-wise loop and atomics from the generated code
             acc_t = [T.alloc_fragment([BI, HB], f32) for _ in range(2)]
-            acc_dq = [[T.alloc_fragment([HB, DP], f32) for _ in range(HALF)] for _ in range(2)]
-            acc_k = [T.alloc_fragment([BI, DP], f32) for _ in range(2)]
-            fx = T.alloc_local([2], f32)
+            acc_dq = [[T.alloc_fragment([HB, DP], f32) for _ in range(HALF if grads else 0)] for _ in range(2)]
+            acc_k = [T.alloc_fragment([BI, DP], f32) if grads else None for _ in range(2)]
+            acc_x = [T.alloc_fragment([BI, DP], "int32") if mode == "fixed32x2" else None for _ in range(2)]
+            bound_f = T.alloc_fragment([BI], f32)
             row_id = T.alloc_local([BI // 16], ids_dtype)
             lo_hi = T.alloc_local([2], "int32")
 
@@ -213,6 +280,9 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, acc_dtype: str):
             if tx < HB:
                 lse_sh[tx] = Lse[t, h0 + tx] * 1.4426950408889634
                 delta_sh[tx] = Delta[t, h0 + tx]
+                if not grads:
+                    qmax_sh[tx] = Maxima[t, h0 + tx, 0]
+                    gmax_sh[tx] = Maxima[t, h0 + tx, 1]
             if tx == 0:
                 span[0] = width
                 span[1] = 0
@@ -236,57 +306,83 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, acc_dtype: str):
                                       pds_empty=pds_empty, Ids=Ids, KV=KV, Acc=Acc, dQ=dQ, t=t, h0=h0, tx=tx,
                                       q_s=q_s, do_s=do_s, kv_s=kv_s, p_sh=p_sh, ds_sh=ds_sh, pf_sh=pf_sh,
                                       lse_sh=lse_sh, delta_sh=delta_sh, bias=bias, ids_sh=ids_sh,
-                                      row_id=row_id, fx=fx)
+                                      row_id=row_id, Scales=Scales, qmax_sh=qmax_sh, gmax_sh=gmax_sh,
+                                      bound_f=bound_f, bound_sh=bound_sh)
 
             # registers: 384 threads launch with 168 each (64512 of the SM's 65536), and setmaxnreg
             # can only redistribute those: 2 x 232 + 40 = 504 per thread of a warpgroup (240 + 240 +
             # 32 = 512 asked for more than the pool and hung)
             if tx < 256:
                 T.set_max_nreg(232, 1)
-                fx[0] = Fx[0]
-                fx[1] = Fx[1]
                 T.barrier_wait(bar_q[0], 0)
                 if tx < 128:
-                    for u in halves:
+                    for u in halves if grads else ():
                         T.fill(acc_dq[0][u], 0)
                     for n in T.serial(n_lo, n_hi):
-                        probabilities(c, n - n_lo, acc_t[0], acc_dq[0], acc_k[0])
-                    write_dq(c, acc_dq[0], 0)
+                        probabilities(c, n - n_lo, acc_t[0], acc_dq[0], acc_k[0], acc_x[0])
+                    if grads:
+                        write_dq(c, acc_dq[0], 0)
                 else:
-                    for u in halves:
+                    for u in halves if grads else ():
                         T.fill(acc_dq[1][u], 0)
                     for n in T.serial(n_lo, n_hi):
-                        score_grads(c, n - n_lo, acc_t[1], acc_dq[1], acc_k[1])
-                    write_dq(c, acc_dq[1], HALF)
+                        score_grads(c, n - n_lo, acc_t[1], acc_dq[1], acc_k[1], acc_x[1])
+                    if grads:
+                        write_dq(c, acc_dq[1], HALF)
             else:
                 T.set_max_nreg(40, 0)
                 for n in T.serial(n_lo, n_hi):
                     gather(c, n, n - n_lo)
 
-    return tilelang.compile(main, out_idx=[8], target=_TARGET,
+    return tilelang.compile(main, target=_TARGET,
                             pass_configs={tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True})
 
 
-def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, deterministic=True):
+def _unpack_pairs(words: torch.Tensor) -> torch.Tensor:
+    """``[S, D]`` int64 fields of ``[S, D / 2]`` words ``hi · 2^32 + lo``: column 2j is lo, 2j + 1 hi
+    (each field's sum stays inside int32, so the word's low 32 bits are lo's sum)."""
+    lo = (words << 32) >> 32
+    hi = (words - lo) >> 32
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, deterministic=True,
+                            accumulator="fixed32x2"):
     """``(dq [T, H, D] bf16, dkv [S, D] bf16)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`).
 
-    ``delta`` (Triton) and the fixed point's scale come first; ``dkv`` is the accumulator times
-    ``2^-F`` (FP64, rounded once to kv's dtype) or the FP32 sums rounded."""
-    from inductor_ext.kernels.sparse_mla.backward import fixed_point_scale, softmax_delta
+    ``deterministic``: ``accumulator`` ``"fixed32x2"`` (a ``bound`` launch, then int32 fields with a
+    scale per latent row, two per int64 word) or ``"fixed64"`` (one scale); else FP32 atomics."""
+    from inductor_ext.kernels.sparse_mla.backward import _absmax, fixed_point_scale, row_scales, softmax_delta
 
     q, kv, token_ids, dout = (x.contiguous() for x in (q, kv, token_ids, dout))
     T_, H, D = q.shape
-    delta = softmax_delta(out, dout, dlse)
-    ids_dtype = "int32" if token_ids.dtype == torch.int32 else "int64"
-    acc_dtype = "int64" if deterministic else "float32"
-    acc = torch.zeros(kv.shape, dtype=getattr(torch, acc_dtype), device=kv.device)
-    if deterministic:
-        fx, inv = fixed_point_scale(q, kv, dout, dlse, scale, D)
-    else:
-        fx = inv = torch.ones(2, dtype=torch.float32, device=kv.device)
+    S = kv.shape[0]
+    dev = kv.device
     if T_ == 0:
         return torch.zeros_like(q), torch.zeros_like(kv)
-    kernel = _kernel(H, D, float(scale), ids_dtype, acc_dtype)
-    dq = kernel(q, kv, token_ids, dout, lse.float().contiguous(), delta, fx, acc)
-    dkv = (acc.double() * inv.double().prod()).to(kv.dtype) if deterministic else acc.to(kv.dtype)
-    return dq, dkv
+    mode = accumulator if deterministic else "float32"
+    if mode not in MODES[:3]:
+        raise ValueError(f"accumulator must be one of {MODES[:2]}, got {accumulator!r}")
+    ids_dtype = "int32" if token_ids.dtype == torch.int32 else "int64"
+    delta = softmax_delta(out, dout, dlse)
+    lse = lse.float().contiguous()
+    maxima = torch.zeros((1, H, 2), dtype=torch.float32, device=dev)
+    dq = torch.empty_like(q)
+
+    def launch(kind, maxima, scales, acc, dq_out):
+        _kernel(H, D, float(scale), ids_dtype, kind)(q, kv, token_ids, dout, lse, delta, maxima, scales, acc, dq_out)
+        return acc
+
+    if mode == "float32":
+        acc = launch(mode, maxima, torch.ones((1, 2), device=dev), torch.zeros((S, D), device=dev), dq)
+        return dq, acc.to(kv.dtype)
+    qmax, gmax = _absmax(q, -1).float(), _absmax(dout, -1).float()
+    fx, inv = fixed_point_scale(q, kv, dout, dlse, scale, D, qmax, gmax)
+    if mode == "fixed64":
+        acc = launch(mode, maxima, fx[None], torch.zeros((S, D), dtype=torch.int64, device=dev), dq)
+        return dq, (acc.double() * inv.double().prod()).to(kv.dtype)
+    bound = launch("bound", torch.stack((qmax, gmax), -1), fx[None],
+                   torch.zeros((S, 1), dtype=torch.int64, device=dev), dq[:1])
+    rowfx, rowinv = row_scales(bound[:, 0], inv)
+    fields = launch(mode, maxima, rowfx, torch.zeros((S, D), dtype=torch.int32, device=dev), dq)
+    return dq, (_unpack_pairs(fields.view(torch.int64)).double() * rowinv.double().prod(-1, keepdim=True)).to(kv.dtype)
