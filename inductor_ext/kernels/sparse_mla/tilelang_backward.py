@@ -47,21 +47,11 @@ import types
 
 import torch
 
-__all__ = ["supports", "sparse_mla_bwd_tilelang", "HEADS_PER_CTA", "BLOCK"]
+from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, supports
 
-HEADS_PER_CTA = 64
-BLOCK = 64
+__all__ = ["supports", "sparse_mla_bwd_tilelang", "HEADS_PER_CTA", "BLOCK", "MODES"]
+
 PIECE = 128  # columns per shared buffer and per dk piece
-_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-
-
-def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: int,
-             capability: tuple[int, int]) -> bool:
-    """Whether this kernel runs the geometry on a device of compute ``capability``."""
-    H, D = q.shape[1], q.shape[2]
-    return (tuple(capability) == (9, 0) and q.dtype == kv.dtype == torch.bfloat16 and H % HEADS_PER_CTA == 0
-            and d_v == D and D in (256, 512) and token_ids.dtype in (torch.int32, torch.int64))
-
 
 MODES = ("fixed64", "fixed32x2", "float32", "bound")
 
@@ -80,7 +70,6 @@ __device__ __forceinline__ void AtomicAddx2(int *ref, const int *val, int memory
 def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
     """The launch for ``mode``: ``fixed64`` / ``fixed32x2`` / ``float32`` accumulate dq and dkv
     (module doc), ``bound`` only adds each listed slot's bound into ``Acc[:, 0]``."""
-    import tilelang
     import tilelang.language as T
 
     HB, BI, DP = HEADS_PER_CTA, BLOCK, PIECE
@@ -95,6 +84,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
     acc_width = 1 if mode == "bound" else D
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
     n_max, n_scales, n_dq = T.dynamic("TM"), T.dynamic("NS"), T.dynamic("TQ")
+    m = macros(T, width, n_keys)
 
     def fixed(x, c, k):  # x scaled by the two factors of scale row k, rounded (ties to even)
         return T.round(x * c.Scales[k, 0] * c.Scales[k, 1])
@@ -197,11 +187,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
     @T.macro
     def gather(c, n, j):
         p = c.tx - 256
-        for r in T.unroll(BI // 16):  # this thread's 4 ids first: independent loads, before the wait
-            pos = n * BI + r * 16 + p // 8
-            c.row_id[r] = c.Ids[c.t, T.min(pos, width - 1)]
-            if (pos >= width) | (c.row_id[r] < 0) | (c.row_id[r] >= n_keys):
-                c.row_id[r] = -1
+        m.block_ids(c.row_id, c.Ids, c.t, n * BI, p)
         T.barrier_wait(c.empty[0], (j & 1) ^ 1)
         for r in T.unroll(BI // 16):
             row = r * 16 + p // 8
@@ -212,8 +198,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
             for u in pieces:
                 for v in T.unroll(DP // 64):
                     col = 64 * v + (p % 8) * 8
-                    T.ptx_cp_async(T.access_ptr(c.kv_s[u][row, col], "w", extent=8),
-                                   T.access_ptr(c.KV[src, u * DP + col], "r", extent=8), 8)
+                    m.copy16(c.kv_s[u][row, col], c.KV[src, u * DP + col])
         T.barrier_arrive(c.full[0])  # bias and ids (release); the rows arrive by cp.async completion
         T.cp_async_barrier_noinc(c.full[0])
 
@@ -230,7 +215,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
         Acc: T.Tensor([n_keys, acc_width], acc_dtype),
         dQ: T.Tensor([n_dq, H, D], bf16),
     ):
-        with T.Kernel(n_rows * NHG, threads=384, prelude=_PAIR_ADD) as bx:
+        with T.Kernel(n_rows * NHG, threads=THREADS, prelude=_PAIR_ADD) as bx:
             q_s = [T.alloc_shared([HB, DP], bf16) for _ in range(NP)]
             do_s = [T.alloc_shared([HB, DP], bf16) for _ in range(NP)]
             kv_s = [T.alloc_shared([BI, DP], bf16) for _ in range(NP)]
@@ -272,10 +257,8 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
                     chunk = r * 128 + tx - 256
                     row, col = chunk // (DP // 8), chunk % (DP // 8) * 8
                     for u in pieces:
-                        T.ptx_cp_async(T.access_ptr(q_s[u][row, col], "w", extent=8),
-                                       T.access_ptr(Q[t, h0 + row, u * DP + col], "r", extent=8), 8)
-                        T.ptx_cp_async(T.access_ptr(do_s[u][row, col], "w", extent=8),
-                                       T.access_ptr(dO[t, h0 + row, u * DP + col], "r", extent=8), 8)
+                        m.copy16(q_s[u][row, col], Q[t, h0 + row, u * DP + col])
+                        m.copy16(do_s[u][row, col], dO[t, h0 + row, u * DP + col])
                 T.cp_async_barrier_noinc(bar_q[0])
             if tx < HB:
                 lse_sh[tx] = Lse[t, h0 + tx] * 1.4426950408889634
@@ -283,22 +266,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
                 if not grads:
                     qmax_sh[tx] = Maxima[t, h0 + tx, 0]
                     gmax_sh[tx] = Maxima[t, h0 + tx, 1]
-            if tx == 0:
-                span[0] = width
-                span[1] = 0
-            T.sync_threads()
-            lo_hi[0] = width
-            lo_hi[1] = 0
-            for w in T.serial(T.ceildiv(width, 384)):
-                pos = w * 384 + tx
-                if pos < width:
-                    key = Ids[t, pos]
-                    if (key >= 0) & (key < n_keys):
-                        lo_hi[0] = T.min(lo_hi[0], pos)
-                        lo_hi[1] = T.max(lo_hi[1], pos + 1)
-            T.atomic_min(span[0], lo_hi[0])
-            T.atomic_max(span[1], lo_hi[1])
-            T.sync_threads()
+            m.row_span(span, lo_hi, Ids, t, tx)
             n_lo = span[0] // BI
             n_hi = T.ceildiv(span[1], BI)
 
@@ -334,8 +302,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
                 for n in T.serial(n_lo, n_hi):
                     gather(c, n, n - n_lo)
 
-    return tilelang.compile(main, target=_TARGET,
-                            pass_configs={tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True})
+    return compile_kernel(main)
 
 
 def _unpack_pairs(words: torch.Tensor) -> torch.Tensor:

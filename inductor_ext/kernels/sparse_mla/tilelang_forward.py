@@ -40,24 +40,13 @@ import types
 
 import torch
 
+from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, supports
+
 __all__ = ["supports", "sparse_mla_fwd_tilelang", "HEADS_PER_CTA", "BLOCK"]
-
-HEADS_PER_CTA = 64
-BLOCK = 64
-_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-
-
-def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: int,
-             capability: tuple[int, int]) -> bool:
-    """Whether this kernel runs the geometry on a device of compute ``capability``."""
-    H, D = q.shape[1], q.shape[2]
-    return (tuple(capability) == (9, 0) and q.dtype == kv.dtype == torch.bfloat16 and H % HEADS_PER_CTA == 0
-            and d_v == D and D in (256, 512) and token_ids.dtype in (torch.int32, torch.int64))
 
 
 @functools.cache
 def _kernel(H: int, D: int, scale: float, ids_dtype: str):
-    import tilelang
     import tilelang.language as T
 
     HB, BI, DH = HEADS_PER_CTA, BLOCK, D // 2
@@ -65,6 +54,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
     sl2 = scale * 1.4426950408889634
     bf16, f32 = "bfloat16", "float32"
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
+    m = macros(T, width, n_keys)
 
     @T.macro
     def scores_and_left(c, i, kv_l, kv_r, b, rnd):
@@ -104,17 +94,13 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
     @T.macro
     def copy_halves(dst_l, dst_r, src_l, src_r):
         """One 16-byte ``cp.async`` into each half-row buffer (8 BF16 columns from each source)."""
-        T.ptx_cp_async(T.access_ptr(dst_l, "w", extent=8), T.access_ptr(src_l, "r", extent=8), 8)
-        T.ptx_cp_async(T.access_ptr(dst_r, "w", extent=8), T.access_ptr(src_r, "r", extent=8), 8)
+        m.copy16(dst_l, src_l)
+        m.copy16(dst_r, src_r)
 
     @T.macro
     def gather(c, i, kv_l, kv_r, b, rnd):
         p = c.tx - 256
-        for r in T.unroll(BI // 16):  # this thread's 4 ids first: independent loads, before the wait
-            pos = i * BI + r * 16 + p // 8
-            c.row_id[r] = c.Ids[c.t, T.min(pos, width - 1)]
-            if (pos >= width) | (c.row_id[r] < 0) | (c.row_id[r] >= n_keys):
-                c.row_id[r] = -1
+        m.block_ids(c.row_id, c.Ids, c.t, i * BI, p)
         T.barrier_wait(c.empty[b], (rnd & 1) ^ 1)
         for r in T.unroll(BI // 16):
             row = r * 16 + p // 8
@@ -135,7 +121,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
         Out: T.Tensor([n_rows, H, D], bf16),
         Lse: T.Tensor([n_rows, H], f32),
     ):
-        with T.Kernel(n_rows * NHG, threads=384) as bx:
+        with T.Kernel(n_rows * NHG, threads=THREADS) as bx:
             q_l = T.alloc_shared([HB, DH], bf16)
             q_r = T.alloc_shared([HB, DH], bf16)
             kv0_l = T.alloc_shared([BI, DH], bf16)
@@ -181,23 +167,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
                     row, col = chunk // (DH // 8), chunk % (DH // 8) * 8
                     copy_halves(q_l[row, col], q_r[row, col], Q[t, h0 + row, col], Q[t, h0 + row, DH + col])
                 T.cp_async_barrier_noinc(bar_q[0])
-            # the row's span [first valid id, last valid id]: blocks outside it are not visited
-            if tx == 0:
-                span[0] = width
-                span[1] = 0
-            T.sync_threads()
-            lo_hi[0] = width
-            lo_hi[1] = 0
-            for w in T.serial(T.ceildiv(width, 384)):
-                pos = w * 384 + tx
-                if pos < width:
-                    key = Ids[t, pos]
-                    if (key >= 0) & (key < n_keys):
-                        lo_hi[0] = T.min(lo_hi[0], pos)
-                        lo_hi[1] = T.max(lo_hi[1], pos + 1)
-            T.atomic_min(span[0], lo_hi[0])
-            T.atomic_max(span[1], lo_hi[1])
-            T.sync_threads()
+            m.row_span(span, lo_hi, Ids, t, tx)
             k_lo = span[0] // (2 * BI)
             k_hi = T.ceildiv(span[1], 2 * BI)
 
@@ -243,10 +213,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
                     gather(c, 2 * k, kv0_l, kv0_r, 0, k - k_lo)
                     gather(c, 2 * k + 1, kv1_l, kv1_r, 1, k - k_lo)
 
-    # every global index above is in bounds by construction (ids clamped, positions masked), and
-    # TileLang's bounds guard on the gathered rows would turn the cp.async copies into plain loads
-    return tilelang.compile(main, out_idx=[3, 4], target=_TARGET,
-                            pass_configs={tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True})
+    return compile_kernel(main, out_idx=[3, 4])
 
 
 def sparse_mla_fwd_tilelang(q, kv, token_ids, scale, d_v):

@@ -1,0 +1,82 @@
+"""What the TileLang kernels of ``glm53::sparse_mla`` (``tilelang_forward.py``,
+``tilelang_backward.py``) share: the geometries they take, their compile call, and the producer's
+pieces (:func:`macros`: built per kernel, since a TileLang macro closes over the kernel's symbolic
+sizes).
+
+Imports torch only; tilelang is imported when a kernel is compiled.
+"""
+
+import types
+
+import torch
+
+__all__ = ["supports", "compile_kernel", "macros", "HEADS_PER_CTA", "BLOCK", "THREADS"]
+
+HEADS_PER_CTA = 64
+BLOCK = 64  # listed ids per gathered block
+THREADS = 384  # three warpgroups: two consumers, one producer
+_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: int,
+             capability: tuple[int, int]) -> bool:
+    """Whether the TileLang kernels run the geometry on a device of compute ``capability``: sm_90,
+    BF16 q and kv, ``H`` a multiple of 64, ``D = d_v`` of 256 or 512, int32 or int64 ids."""
+    H, D = q.shape[1], q.shape[2]
+    return (tuple(capability) == (9, 0) and q.dtype == kv.dtype == torch.bfloat16 and H % HEADS_PER_CTA == 0
+            and d_v == D and D in (256, 512) and token_ids.dtype in (torch.int32, torch.int64))
+
+
+def compile_kernel(main, **kwargs):
+    """``tilelang.compile`` of a kernel's ``prim_func`` for sm_90a (``kwargs``: e.g. ``out_idx``)."""
+    import tilelang
+
+    # every global index of the kernels is in bounds by construction (ids clamped, positions masked),
+    # and TileLang's bounds guard on the gathered rows would turn the cp.async copies into plain loads
+    return tilelang.compile(main, target=_TARGET, **kwargs,
+                            pass_configs={tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True})
+
+
+def macros(T, width, n_keys):
+    """The producer's macros for a kernel whose id rows are ``width`` long over ``n_keys`` latent
+    rows (its symbolic sizes): ``copy16``, ``block_ids``, ``row_span``."""
+
+    @T.macro
+    def copy16(dst, src):
+        """One 16-byte ``cp.async`` (8 BF16 columns) from global ``src`` to shared ``dst``."""
+        T.ptx_cp_async(T.access_ptr(dst, "w", extent=8), T.access_ptr(src, "r", extent=8), 8)
+
+    @T.macro
+    def block_ids(row_id, Ids, t, first, p):
+        """``row_id[r]`` = the id at position ``first + 16 r + p // 8`` of row ``t`` (a producer
+        thread ``p`` of 128 has 4 of a block's 64), or -1 for padding, ids outside ``[0, S)`` and
+        positions past the row: independent loads, issued before the producer waits."""
+        for r in T.unroll(BLOCK // 16):
+            pos = first + r * 16 + p // 8
+            row_id[r] = Ids[t, T.min(pos, width - 1)]
+            if (pos >= width) | (row_id[r] < 0) | (row_id[r] >= n_keys):
+                row_id[r] = -1
+
+    @T.macro
+    def row_span(span, lo_hi, Ids, t, tx):
+        """``span[0]`` / ``span[1]``: the first valid position of row ``t`` and one past its last
+        (``width`` / 0 for a row without one), by all the CTA's threads: blocks outside it are not
+        visited."""
+        if tx == 0:
+            span[0] = width
+            span[1] = 0
+        T.sync_threads()
+        lo_hi[0] = width
+        lo_hi[1] = 0
+        for w in T.serial(T.ceildiv(width, THREADS)):
+            pos = w * THREADS + tx
+            if pos < width:
+                key = Ids[t, pos]
+                if (key >= 0) & (key < n_keys):
+                    lo_hi[0] = T.min(lo_hi[0], pos)
+                    lo_hi[1] = T.max(lo_hi[1], pos + 1)
+        T.atomic_min(span[0], lo_hi[0])
+        T.atomic_max(span[1], lo_hi[1])
+        T.sync_threads()
+
+    return types.SimpleNamespace(copy16=copy16, block_ids=block_ids, row_span=row_span)
