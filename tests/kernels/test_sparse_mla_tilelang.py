@@ -1,10 +1,10 @@
 """TileLang forward of ``glm53::sparse_mla`` (``inductor_ext.kernels.sparse_mla.tilelang_forward``).
 
-CPU: which geometries the kernel takes and how the op routes (TileLang where supported and
-installed, else the Triton forward, the missing extra logged once). ``cuda``: the kernel against the
-independent FP64 reference (out within 2x the BF16 floor, lse within 1e-5) at awkward cases, the op
-routed to it (bitwise the direct call), the Triton forward beside it, and CUDA-graph capture; these
-skip unless an sm_90 GPU and tilelang are present.
+CPU: which geometries the TileLang kernels take (one ``supports`` for forward and backward) and how
+the op routes both (TileLang where supported and installed, else Triton, the missing extra logged
+once). ``cuda``: the kernel against the independent FP64 reference (out within 2x the BF16 floor,
+lse within 1e-5) at awkward cases, the op routed to it (bitwise the direct call), the Triton
+forward beside it, and CUDA-graph capture; these skip unless an sm_90 GPU and tilelang are present.
 """
 
 import importlib
@@ -14,57 +14,66 @@ import pytest
 import torch
 
 from inductor_ext import backends
+from inductor_ext.kernels.sparse_mla import tilelang_backward as tlb
 from inductor_ext.kernels.sparse_mla import tilelang_forward as tlf
 from tests.support.fp64 import assert_rel_l2, rel_l2
-from tests.support.sparse_mla import awkward_ids_inputs, bf16_floor, fp64_sparse_mla
+from tests.support.sparse_mla import (
+    H200,
+    awkward_ids_inputs,
+    bf16_floor,
+    fp64_sparse_mla,
+    graph_replay,
+    meta_inputs,
+    tilelang_gpu,
+)
 
 pytest.importorskip("triton")
 
 FLOOR_RATIO = 2.0
 LSE_TOL = 1e-5
-H200 = (9, 0)
-
-
-def _meta(T=4, H=64, D=512, S=8, W=5, dtype=torch.bfloat16, ids=torch.int32):
-    return (torch.empty(T, H, D, dtype=dtype, device="meta"), torch.empty(S, D, dtype=dtype, device="meta"),
-            torch.empty(T, W, dtype=ids, device="meta"))
 
 
 def test_supported_geometries():
-    q, kv, ids = _meta()
-    assert tlf.supports(q, kv, ids, 512, H200) and tlf.supports(*_meta(H=128, ids=torch.int64), 512, H200)
-    assert tlf.supports(*_meta(D=256), 256, H200) and not tlf.supports(*_meta(D=128), 128, H200)
+    q, kv, ids = meta_inputs()
+    assert tlf.supports(q, kv, ids, 512, H200) and tlf.supports(*meta_inputs(H=128, ids=torch.int64), 512, H200)
+    assert tlf.supports(*meta_inputs(D=256), 256, H200) and not tlf.supports(*meta_inputs(D=128), 128, H200)
     assert not tlf.supports(q, kv, ids, 512, (10, 0))  # sm_90a code only
     assert not tlf.supports(q, kv, ids, 448, H200)  # d_v < D
-    assert not tlf.supports(*_meta(H=32), 512, H200) and not tlf.supports(*_meta(H=96), 512, H200)
-    assert not tlf.supports(*_meta(D=576), 576, H200) and not tlf.supports(*_meta(D=384), 384, H200)
-    assert not tlf.supports(*_meta(dtype=torch.float16), 512, H200)
+    assert not tlf.supports(*meta_inputs(H=32), 512, H200) and not tlf.supports(*meta_inputs(H=96), 512, H200)
+    assert not tlf.supports(*meta_inputs(D=576), 576, H200) and not tlf.supports(*meta_inputs(D=384), 384, H200)
+    assert not tlf.supports(*meta_inputs(dtype=torch.float16), 512, H200)
 
 
-def test_route_prefers_tilelang_and_logs_a_missing_extra(monkeypatch, caplog):
+ROUTES = [  # (router, op name, the router's arguments after q, kv, ids for a given d_v)
+    ("_fwd_route", "glm53::sparse_mla", lambda d_v: (0.1, d_v, True)),
+    ("_bwd_route", "glm53::sparse_mla_bwd", lambda d_v: (None, None, None, None, 0.1, d_v, True)),
+]
+
+
+@pytest.mark.parametrize("route,op_name,rest", ROUTES, ids=[r[0] for r in ROUTES])
+def test_route_prefers_tilelang_and_logs_a_missing_extra(monkeypatch, caplog, route, op_name, rest):
+    """The forward and the backward route alike: TileLang where supported, one log line without it."""
     op = importlib.import_module("inductor_ext.ops.sparse_mla")  # the package exports the wrapper by that name
 
-    q, kv, ids = _meta()
+    router = getattr(op, route)
+    q, kv, ids = meta_inputs()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: H200)
     monkeypatch.setattr(backends, "_import", lambda name: (object(), None))
-    assert op._fwd_route(q, kv, ids, 0.1, 512, True)[0] == "tilelang"
-    assert op._fwd_route(q, kv, ids, 0.1, 448, True)[0] == "triton"
+    assert router(q, kv, ids, *rest(512))[0] == "tilelang"
+    assert router(q, kv, ids, *rest(448))[0] == "triton"
     monkeypatch.setattr(backends, "_import", lambda name: (None, "ImportError: no tilelang") if name == "tilelang"
                         else (object(), None))
     backends._log_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger="inductor_ext"):
-        assert op._fwd_route(q, kv, ids, 0.1, 512, True)[0] == "triton"
-        assert op._fwd_route(q, kv, ids, 0.1, 512, True)[0] == "triton"
+        assert router(q, kv, ids, *rest(512))[0] == "triton"
+        assert router(q, kv, ids, *rest(512))[0] == "triton"
     said = [r.getMessage() for r in caplog.records if "tilelang" in r.getMessage()]
-    assert len(said) == 1 and "the Triton kernel" in said[0], said
+    assert len(said) == 1 and said[0].startswith(f"{op_name}: ") and "the Triton kernel" in said[0], said
 
 
-def _gpu_ready() -> bool:
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == H200
-            and backends.available("tilelang"))
+def test_backward_takes_the_forward_geometries():
+    assert tlb.supports is tlf.supports
 
-
-gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs an sm_90 GPU and the tilelang extra")
 
 CUDA_CASES = [  # (name, T, H, D, S, W, id dtype)
     ("H64-D512-W200-pad-anywhere", 300, 64, 512, 300, 200, torch.int32),
@@ -75,7 +84,7 @@ CUDA_CASES = [  # (name, T, H, D, S, W, id dtype)
 
 
 @pytest.mark.cuda
-@gpu
+@tilelang_gpu
 @pytest.mark.parametrize("case", CUDA_CASES, ids=[c[0] for c in CUDA_CASES])
 def test_forward_matches_fp64(case):
     from inductor_ext.kernels.sparse_mla import sparse_mla_fwd
@@ -101,7 +110,7 @@ def test_forward_matches_fp64(case):
 
 
 @pytest.mark.cuda
-@gpu
+@tilelang_gpu
 def test_op_routes_to_tilelang_and_captures():
     import inductor_ext.ops.sparse_mla  # noqa: F401
 
@@ -110,14 +119,5 @@ def test_op_routes_to_tilelang_and_captures():
     direct = tlf.sparse_mla_fwd_tilelang(q, kv, ids, scale, 512)
     eager = torch.ops.glm53.sparse_mla(q, kv, ids, scale, 512, True)
     assert all(torch.equal(a, b) for a, b in zip(direct, eager)), "the op did not run the TileLang kernel"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.ops.glm53.sparse_mla(q, kv, ids, scale, 512, True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = torch.ops.glm53.sparse_mla(q, kv, ids, scale, 512, True)
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = graph_replay(lambda: torch.ops.glm53.sparse_mla(q, kv, ids, scale, 512, True))
     assert all(torch.equal(a, b) for a, b in zip(captured, eager)), "graph replay differs from eager"

@@ -19,7 +19,7 @@ import torch
 
 from inductor_ext.ops import sparse_mla_reference as ref
 from tests.support.fp64 import assert_rel_l2, rel_l2
-from tests.support.sparse_mla import Case, bf16_floor, fp64_vjp, make_inputs
+from tests.support.sparse_mla import Case, bf16_floor, fp64_vjp, graph_replay, make_inputs
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -225,15 +225,6 @@ def test_cuda_graph_capture_forward_backward():
     import inductor_ext.ops.sparse_mla  # noqa: F401
 
     eager = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = graph_replay(step)
     for name, a, b in zip(("out", "lse", "dq", "dkv"), captured, eager):
         assert torch.equal(a, b), f"{name}: graph replay differs from eager"

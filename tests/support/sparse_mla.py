@@ -12,7 +12,9 @@ import dataclasses
 import torch
 
 __all__ = ["Case", "CASES", "fp64_sparse_mla", "fp64_vjp", "random_ids", "make_inputs", "bf16_floor",
-           "apply_bf16_rounding_shim"]
+           "apply_bf16_rounding_shim", "awkward_ids_inputs", "meta_inputs", "H200", "tilelang_gpu", "graph_replay"]
+
+H200 = (9, 0)  # the compute capability the TileLang kernels are built for
 
 
 def fp64_sparse_mla(q, kv, token_ids, scale: float, d_v: int):
@@ -158,3 +160,39 @@ def awkward_ids_inputs(T, H, D, S, W, id_dtype, seed=0):
     if T > 4 and W > 128:
         ids[4, :128] = -1  # exactly one leading pair of blocks skipped
     return q, kv, ids.to(id_dtype)
+
+
+def meta_inputs(T=4, H=64, D=512, S=8, W=5, dtype=torch.bfloat16, ids=torch.int32):
+    """``(q, kv, token_ids)`` on the meta device: shapes and dtypes for the kernels' ``supports``."""
+    return (torch.empty(T, H, D, dtype=dtype, device="meta"), torch.empty(S, D, dtype=dtype, device="meta"),
+            torch.empty(T, W, dtype=ids, device="meta"))
+
+
+def _tilelang_gpu_ready() -> bool:
+    from inductor_ext import backends
+
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == H200
+            and backends.available("tilelang"))
+
+
+def tilelang_gpu(test):
+    """Skip ``test`` unless an sm_90 GPU and the ``tilelang`` extra are present."""
+    import pytest
+
+    return pytest.mark.skipif(not _tilelang_gpu_ready(), reason="needs an sm_90 GPU and the tilelang extra")(test)
+
+
+def graph_replay(step):
+    """The outputs of ``step()`` captured in a CUDA graph (after one call on a side stream, so that
+    kernels compile outside the capture) and replayed once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return captured
