@@ -78,11 +78,13 @@ def _tilelang_fwd():
     return kernel
 
 
-def _route(op_name, supports, tilelang_loader, triton_loader, q, kv, token_ids, d_v):
-    """``("tilelang", loader)`` where that kernel supports the geometry and tilelang imports (else
-    logged once), otherwise ``("triton", loader)``."""
+def _route(op_name, tilelang_loader, triton_loader, q, kv, token_ids, d_v):
+    """``("tilelang", loader)`` where the TileLang kernels support the geometry and tilelang imports
+    (else logged once), otherwise ``("triton", loader)``."""
     if not backends.available("triton"):  # the kernel package imports triton; the router logs the fallback
         return "triton", triton_loader
+    from inductor_ext.kernels.sparse_mla.tilelang_common import supports
+
     if (supports(q, kv, token_ids, d_v, torch.cuda.get_device_capability(q.device))
             and backends.load("tilelang", op_name, fallback="the Triton kernel") is not None):
         return "tilelang", tilelang_loader
@@ -90,9 +92,7 @@ def _route(op_name, supports, tilelang_loader, triton_loader, q, kv, token_ids, 
 
 
 def _fwd_route(q, kv, token_ids, scale, d_v, deterministic):
-    from inductor_ext.kernels.sparse_mla.tilelang_forward import supports
-
-    return _route("glm53::sparse_mla", supports, _tilelang_fwd, _triton_fwd, q, kv, token_ids, d_v)
+    return _route("glm53::sparse_mla", _tilelang_fwd, _triton_fwd, q, kv, token_ids, d_v)
 
 
 @functools.cache
@@ -116,9 +116,7 @@ def _tilelang_bwd():
 
 
 def _bwd_route(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, deterministic):
-    from inductor_ext.kernels.sparse_mla.tilelang_backward import supports
-
-    return _route("glm53::sparse_mla_bwd", supports, _tilelang_bwd, _triton_bwd, q, kv, token_ids, d_v)
+    return _route("glm53::sparse_mla_bwd", _tilelang_bwd, _triton_bwd, q, kv, token_ids, d_v)
 
 
 backends.register_cuda_router(_sparse_mla_op, "glm53::sparse_mla", _fwd_route, _plain_fwd, fallback=_FALLBACK)
