@@ -6,6 +6,8 @@ selection of ``min(topk_ids, t + 1)`` distinct keys of ``[0, t]`` in random orde
 (:func:`causal_random_ids`). Rows (CUDA-graph replay, p50 / max of single replays):
 
 - ``sparse_mla fwd`` and ``sparse_mla fwd+bwd`` (``glm53::sparse_mla`` then ``glm53::sparse_mla_bwd``);
+- ``sparse_mla bwd``: the backward alone, deterministic (the default) and with ``deterministic=False``
+  (column ``deterministic``), so the price of bitwise-repeatable gradients is read off one table;
 - ``sdpa_causal fwd`` and ``fwd+bwd``: dense causal ``scaled_dot_product_attention`` with
   ``dense_heads × dense_dim`` (64 × 256 by default), up to ``dense_max_tokens``.
 
@@ -70,7 +72,8 @@ def _sparse_rows(T, heads, dim, d_v, topk_ids, samples, gen):
     ids = causal_random_ids(T, topk_ids, generator=gen)
     n_vis = int((ids >= 0).sum())
     fl_f, fl_b = sparse_flop(n_vis, heads, dim, d_v)
-    meta = {"heads": heads, "dim": dim, "d_v": d_v, "topk_ids": topk_ids, "visible_pairs": n_vis}
+    meta = {"heads": heads, "dim": dim, "d_v": d_v, "topk_ids": topk_ids, "visible_pairs": n_vis,
+            "deterministic": True}
     scale = dim ** -0.5
     o, lse = sparse_fwd(q, kv, ids, scale, d_v, True)
     dout = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
@@ -83,9 +86,16 @@ def _sparse_rows(T, heads, dim, d_v, topk_ids, samples, gen):
         o_, l_ = sparse_fwd(q, kv, ids, scale, d_v, True)
         return sparse_bwd(q, kv, ids, o_, l_, dout, dlse, scale, d_v, True)
 
-    return [_row("sparse_mla", "fwd", T, timing.replay_stats(fwd, samples), _peak_mib(fwd), fl_f, **meta),
+    rows = [_row("sparse_mla", "fwd", T, timing.replay_stats(fwd, samples), _peak_mib(fwd), fl_f, **meta),
             _row("sparse_mla", "fwd+bwd", T, timing.replay_stats(fwd_bwd, samples), _peak_mib(fwd_bwd),
                  fl_f + fl_b, **meta)]
+    for deterministic in (True, False):
+        def bwd(deterministic=deterministic):
+            return sparse_bwd(q, kv, ids, o, lse, dout, dlse, scale, d_v, deterministic)
+
+        rows.append(_row("sparse_mla", "bwd", T, timing.replay_stats(bwd, samples), _peak_mib(bwd), fl_b,
+                         **{**meta, "deterministic": deterministic}))
+    return rows
 
 
 def _dense_rows(T, heads, dim, samples, gen):
@@ -94,7 +104,8 @@ def _dense_rows(T, heads, dim, samples, gen):
     gd = torch.randn(qd.shape, device="cuda", generator=gen).to(torch.bfloat16)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     flop = 2 * 2 * heads * dim * T * (T + 1) // 2
-    meta = {"heads": heads, "dim": dim, "d_v": dim, "topk_ids": None, "visible_pairs": T * (T + 1) // 2}
+    meta = {"heads": heads, "dim": dim, "d_v": dim, "topk_ids": None, "visible_pairs": T * (T + 1) // 2,
+            "deterministic": None}
 
     def fwd():
         with torch.no_grad():
@@ -117,7 +128,7 @@ def bench_attn(tokens=(8192, 32768, 65536), heads=64, dim=512, topk_ids=2051, *,
         raise ValueError("bench attn needs a CUDA device")
     d_v = dim if d_v is None else int(d_v)
     tokens = [int(t) for t in ((tokens,) if isinstance(tokens, int) else tokens)]
-    total = sum(4 if T <= dense_max_tokens else 2 for T in tokens)
+    total = sum(6 if T <= dense_max_tokens else 4 for T in tokens)
     dev = torch.cuda.get_device_name()
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -131,5 +142,6 @@ def bench_attn(tokens=(8192, 32768, 65536), heads=64, dim=512, topk_ids=2051, *,
             for row in batch:
                 row["device"] = dev
                 rows.append(row)
-                prog(f"{row['name']} {row['pass']} T={row['tokens']}: {row['p50_us'] / 1e3:.2f} ms")
+                flag = " nondeterministic" if row["deterministic"] is False else ""
+                prog(f"{row['name']} {row['pass']}{flag} T={row['tokens']}: {row['p50_us'] / 1e3:.2f} ms")
     return rows
