@@ -27,7 +27,8 @@ probabilities).
 Numerics are the Triton forward's: FP32 scores and softmax, BF16 probabilities into the value MMA,
 ``out = acc · (1 / l)`` rounded once, ``lse = (m + log2 l) · ln 2``; a row without valid ids gives
 ``out = 0``, ``lse = -inf``. Rows are scheduled last row first. Before the loop the CTA finds the
-row's first and last valid position, so blocks outside that span are not visited. No host
+row's first and last valid position, so the pairs of blocks outside that span are not visited,
+nor the pair's second block when the span ends before it (2051 ids are 33 blocks, not 34). No host
 synchronisation.
 
 No ``from __future__ import annotations`` here: TileLang evaluates the kernel's parameter annotations,
@@ -170,6 +171,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
             m.row_span(span, lo_hi, Ids, t, tx)
             k_lo = span[0] // (2 * BI)
             k_hi = T.ceildiv(span[1], 2 * BI)
+            n_hi = T.ceildiv(span[1], BI)  # the pair loop's last second block can lie past the span
 
             c = types.SimpleNamespace(full=full, empty=empty, p_full=p_full, p_empty=p_empty, Ids=Ids, t=t,
                                       acc_s=acc_s, q_l=q_l, q_r=q_r, m_i=m_i, m_prev=m_prev, alpha=alpha,
@@ -184,7 +186,8 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
                 T.barrier_wait(bar_q[0], 0)
                 for k in T.serial(k_lo, k_hi):
                     scores_and_left(c, 2 * k, kv0_l, kv0_r, 0, k - k_lo)
-                    scores_and_left(c, 2 * k + 1, kv1_l, kv1_r, 1, k - k_lo)
+                    if 2 * k + 1 < n_hi:
+                        scores_and_left(c, 2 * k + 1, kv1_l, kv1_r, 1, k - k_lo)
                 for h in T.Parallel(HB):
                     inv_l[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], 0)
                     inv_sh[h] = inv_l[h]
@@ -201,7 +204,8 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
                 T.fill(acc_r, 0)
                 for k in T.serial(k_lo, k_hi):
                     right(c, 2 * k, kv0_r, 0)
-                    right(c, 2 * k + 1, kv1_r, 1)
+                    if 2 * k + 1 < n_hi:
+                        right(c, 2 * k + 1, kv1_r, 1)
                 T.barrier_wait(done[0], 0)
                 for h, d in T.Parallel(HB, DH):
                     acc_r[h, d] *= inv_sh[h]
@@ -211,7 +215,8 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
                 T.set_max_nreg(80, 0)
                 for k in T.serial(k_lo, k_hi):
                     gather(c, 2 * k, kv0_l, kv0_r, 0, k - k_lo)
-                    gather(c, 2 * k + 1, kv1_l, kv1_r, 1, k - k_lo)
+                    if 2 * k + 1 < n_hi:
+                        gather(c, 2 * k + 1, kv1_l, kv1_r, 1, k - k_lo)
 
     return compile_kernel(main, out_idx=[3, 4])
 
