@@ -19,7 +19,7 @@ from inductor_ext.report.report import write_mismatch
 
 __all__ = ["main"]
 
-_LAYER_OPTIONS = ("kinds", "attn_impl", "precision")  # `bench layer`'s own flags, as argparse names them
+_LAYER_OPTIONS = ("kinds", "attn_impl", "precision", "timing_only")  # `bench layer`'s own flags, as argparse names them
 
 
 def _progress():
@@ -87,6 +87,9 @@ def _run(argv) -> int:
     lay.add_argument("--attn-impl", choices=("flex", "eager"),
                      help="the DSA layer's sparse attention: flex (FlexAttention, default) or eager (dense masked)")
     lay.add_argument("--precision", choices=PRECISIONS, help="PrecisionConfig preset (default serving_aligned)")
+    lay.add_argument("--timing-only", action="store_const", const=True,
+                     help="compile, capture and time only: no eager reference, sensitivity or warm compile "
+                          "(for lengths whose eager layer does not fit or takes too long)")
     inv = ben.add_argument_group("bench invariance (also under all)")
     inv.add_argument("--parts", nargs="+", choices=INVARIANCE_PARTS,
                      help=f"pieces, in this order, each under both configs (default: {' '.join(INVARIANCE_PARTS)})")
@@ -147,7 +150,8 @@ def _bench(args, progress) -> int:
     names = tuple(BENCHES) if args.what == "all" else (args.what,)
     layer = {k: getattr(args, k) for k in _LAYER_OPTIONS if getattr(args, k) is not None}
     if layer and "layer" not in names:
-        raise ValueError(f"--kinds, --attn-impl and --precision are options of `bench layer`, not `bench {args.what}`")
+        raise ValueError("--kinds, --attn-impl, --precision and --timing-only are options of `bench layer`, "
+                         f"not `bench {args.what}`")
     if args.parts is not None and "invariance" not in names:
         raise ValueError(f"--parts is an option of `bench invariance`, not `bench {args.what}`")
     parts = {} if args.parts is None else {"parts": tuple(args.parts)}

@@ -336,7 +336,7 @@ def _variant(kind, variant, layer, x, x_check, cu, params, names, setup, samples
     row = {"kind": kind, "variant": variant, "tokens": x.shape[0], "preset": setup.preset, "backend": setup.backend,
            "attn_impl": setup.attn_impl if kind == "dsa" else None, "precision": precision,
            "eager_attn_impl": (setup.eager_attn or setup.attn_impl) if kind == "dsa" else None,
-           "cudagraph_or_error": _HAS_OR_ERROR, "error": None}
+           "cudagraph_or_error": _HAS_OR_ERROR, "timing_only": setup.timing_only, "error": None}
     ref = None
     if not setup.timing_only:
         prog.step(f"{label}: eager reference")
@@ -428,6 +428,8 @@ def _result(tokens, samples, setup: _Setup, precision: str, rows: list[dict]) ->
 def _equals(r: dict) -> str:
     if r.get("eager_error"):
         return f"n/a (eager: {r['eager_error'][:80]})"
+    if r.get("timing_only"):
+        return "not checked (timing only)"
     if r.get("equals_eager") is None:
         return "n/a (comparison failed)"
     if not r["equals_eager"]:

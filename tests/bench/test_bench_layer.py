@@ -75,7 +75,8 @@ def test_dry_run_timing_only_skips_the_checks():
         assert r["warm_compile_s"] is None and r["equals_eager"] is None and "eager_sensitivity" not in r
         assert r["graphs_compiled"]["cold"] == 1 and r["replay_vs_first"]
     assert not any("eager" in m or "warm compile" in m for m in messages), messages
-    assert "| kda | fwd | none | 0 | 0 |" in bl.format_layer(result) and "| – |" in bl.format_layer(result)
+    table = bl.format_layer(result)
+    assert "| kda | fwd | none | 0 | 0 |" in table and "| – |" in table and "not checked (timing only)" in table
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ def test_bench_help_lists_every_benchmark_and_the_layer_flags(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "{" + ",".join((*BENCHES, "all")) + "}" in out and "{kda,kpool,moe,layer," in out
-    for flag in ("--out", "--tokens", "--samples", "--kinds", "--attn-impl", "--precision"):
+    for flag in ("--out", "--tokens", "--samples", "--kinds", "--attn-impl", "--precision", "--timing-only"):
         assert flag in out, flag
 
 
@@ -75,11 +75,12 @@ def test_bench_layer_passes_its_flags_and_writes_after_each_kind(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(BENCHES, "layer", Benchmark("Whole layers", run, format_layer, samples=20))
     argv = ["bench", "layer", "--out", str(tmp_path), "--tokens", "64", "--kinds", "kda", "--attn-impl", "eager",
-            "--precision", "reference"]
+            "--precision", "reference", "--timing-only"]
     assert main(argv) == 0
     (kw,) = calls
     assert {k: v for k, v in kw.items() if k not in ("progress", "on_partial")} == {
-        "samples": 20, "tokens": 64, "kinds": ["kda"], "attn_impl": "eager", "precision": "reference"}
+        "samples": 20, "tokens": 64, "kinds": ["kda"], "attn_impl": "eager", "precision": "reference",
+        "timing_only": True}
     assert partial_files == [{"layer": {**full, "rows": full["rows"][:1]}}]
     assert json.loads((tmp_path / "bench.json").read_text()) == {"layer": full}
     md = (tmp_path / "bench.md").read_text()
