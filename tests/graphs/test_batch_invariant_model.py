@@ -38,12 +38,18 @@ def test_one_document_alone_equals_its_rows_in_a_pack(base, device):
             assert torch.equal(a, p), f"{base} seed {seed}: {'logits' if i == 0 else f'streams {i}'} differ"
 
 
+def _unchanged_in_the_pack(prec: PrecisionConfig, device: str = "cpu") -> list[bool]:
+    """Per seed: whether the document's logits and streams are bitwise the same alone and packed."""
+    return [all(torch.equal(a, p) for a, p in zip(*_alone_and_packed(prec, seed, device))) for seed in SEEDS]
+
+
 def _row_count_dependent_linear(x, weight, bias=None, *, out_dtype=None):
     """A planted non-invariant linear: one FP32 product for a call of fewer than 8 rows, else a
     split K of 4 pieces whose partial products are stored in x's dtype (a split-K GEMM's choice by
     shape), one rounding to the output."""
-    y = torch.nn.functional.linear(x.float(), weight.float())
-    if x.reshape(-1, x.shape[-1]).shape[0] >= 8:
+    if x.reshape(-1, x.shape[-1]).shape[0] < 8:
+        y = torch.nn.functional.linear(x.float(), weight.float())
+    else:
         y = sum(torch.nn.functional.linear(xc.float(), wc.float()).to(x.dtype).float()
                 for xc, wc in zip(x.chunk(4, -1), weight.chunk(4, -1)))
     y = y if bias is None else y + bias.float()
@@ -55,7 +61,7 @@ def test_the_comparison_catches_a_row_count_dependent_linear(monkeypatch):
     row count, the document's rows change in the pack (on any CPU)."""
     monkeypatch.setattr(modules.ops, "bi_linear", _row_count_dependent_linear)
     prec = BASES["serving_aligned"].replace(batch_invariant=True)
-    same = [all(torch.equal(a, p) for a, p in zip(*_alone_and_packed(prec, seed))) for seed in SEEDS]
+    same = _unchanged_in_the_pack(prec)
     assert not any(same), same
 
 
@@ -63,8 +69,7 @@ def test_the_comparison_catches_a_row_count_dependent_linear(monkeypatch):
 def test_the_plain_path_is_not_batch_invariant_on_these_inputs(device):
     """Without batch invariance some seed's rows change in the pack. Whether they do depends on the
     device's GEMM kernels: a CPU whose BLAS happens to keep these small shapes invariant skips."""
-    same = [all(torch.equal(a, p) for a, p in zip(*_alone_and_packed(BASES["serving_aligned"], seed, device)))
-            for seed in SEEDS]
+    same = _unchanged_in_the_pack(BASES["serving_aligned"], device)
     if device == "cpu" and all(same):
         pytest.skip("this CPU's BLAS keeps these shapes batch invariant (the planted test shows the comparison fails)")
     assert not all(same), "the plain path happened to be invariant: the test above would prove nothing"
