@@ -28,6 +28,11 @@ The ``[S, D]`` accumulator (launch modes, :data:`MODES`):
   accumulator (fixed point of :func:`~.backward.fixed_point_scale`); the second rounds each
   contribution at its row's scale (ties to even) and adds a thread's two adjacent columns as one
   64-bit integer ``hi · 2^32 + lo`` (``_PAIR_ADD``), half the atomics of one per element;
+- ``fixed32x2_split`` (deterministic, a candidate beside ``fixed32x2``): the same fields, bounds and
+  results; the first launch (``bound_dq``) also accumulates dq, so the second (``dk32x2``) holds no
+  dq registers: it releases each gather buffer after ``sᵀ`` / ``dpᵀ``, issues a consumer's two dk
+  pieces at once and rounds and adds the first while the second's MMAs run, with the block's row
+  scales staged in shared memory by the producer;
 - ``fixed64`` (deterministic, one launch): int64 fixed point with one scale for the tensor (every
   partial sum below 2^60), one 64-bit integer atomic per element;
 - ``float32`` (``deterministic=False``): FP32 atomics, two columns per instruction (order-dependent
@@ -49,27 +54,45 @@ import torch
 
 from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, supports
 
-__all__ = ["supports", "sparse_mla_bwd_tilelang", "HEADS_PER_CTA", "BLOCK", "MODES"]
+__all__ = ["supports", "sparse_mla_bwd_tilelang", "HEADS_PER_CTA", "BLOCK", "MODES", "ACCUMULATORS"]
 
 PIECE = 128  # columns per shared buffer and per dk piece
 
-MODES = ("fixed64", "fixed32x2", "float32", "bound")
+# mode: (accumulator dtype, dq here, dk here, row bounds here); the last two are the split pair
+_MODES = {
+    "fixed64": ("int64", True, True, False),
+    "fixed32x2": ("int32", True, True, False),
+    "float32": ("float32", True, True, False),
+    "bound": ("int64", False, False, True),
+    "bound_dq": ("int64", True, False, True),
+    "dk32x2": ("int32", False, True, False),
+}
+MODES = tuple(_MODES)
+ACCUMULATORS = ("fixed32x2", "fixed64", "fixed32x2_split")  # deterministic=True's choices
 
 # Two adjacent int32 fields added as one 64-bit integer: hi · 2^32 + lo (lo sign-extended). The low
 # field's carries land in the high one; each field's sum stays inside int32, so the word's low 32
 # bits are the low field's sum and (word - lo) >> 32 the high field's (``_unpack_pairs``).
+# ``FixedAddx2`` rounds two adjacent FP32 values at the row's two scale factors first (ties to even,
+# as ``T.round`` then the int32 cast), so no int32 copy of the piece is staged in registers.
 _PAIR_ADD = """
 __device__ __forceinline__ void AtomicAddx2(int *ref, const int *val, int memory_order = 0) {
   long long w = (static_cast<long long>(val[1]) << 32) + static_cast<long long>(val[0]);
   atomicAdd(reinterpret_cast<unsigned long long *>(ref), static_cast<unsigned long long>(w));
+}
+__device__ __forceinline__ void FixedAddx2(int *ref, const float *val, float s0, float s1) {
+  long long lo = __float2int_rn(val[0] * s0 * s1);
+  long long hi = __float2int_rn(val[1] * s0 * s1);
+  atomicAdd(reinterpret_cast<unsigned long long *>(ref), static_cast<unsigned long long>((hi << 32) + lo));
 }
 """
 
 
 @functools.cache
 def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
-    """The launch for ``mode``: ``fixed64`` / ``fixed32x2`` / ``float32`` accumulate dq and dkv
-    (module doc), ``bound`` only adds each listed slot's bound into ``Acc[:, 0]``."""
+    """The launch for ``mode`` (:data:`_MODES`): ``fixed64`` / ``fixed32x2`` / ``float32`` accumulate
+    dq and dkv; ``bound`` only adds each listed slot's bound into ``Acc[:, 0]``; the split pair
+    ``bound_dq`` (the bounds and dq) then ``dk32x2`` (dkv only, its two pieces in flight at once)."""
     import tilelang.language as T
 
     HB, BI, DP = HEADS_PER_CTA, BLOCK, PIECE
@@ -79,9 +102,9 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
     NHG = H // HB
     sl2 = scale * 1.4426950408889634
     bf16, f32 = "bfloat16", "float32"
-    grads = mode != "bound"
-    acc_dtype = {"fixed64": "int64", "float32": "float32", "fixed32x2": "int32", "bound": "int64"}[mode]
-    acc_width = 1 if mode == "bound" else D
+    acc_dtype, has_dq, has_dk, has_bound = _MODES[mode]
+    split_dk = mode == "dk32x2"  # row scales staged in shared memory, pieces pipelined
+    acc_width = D if has_dk else 1
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
     n_max, n_scales, n_dq = T.dynamic("TM"), T.dynamic("NS"), T.dynamic("TQ")
     m = macros(T, width, n_keys)
@@ -92,7 +115,14 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
     @T.macro
     def add_piece(c, acc_k, acc_x, par, col0):
         """acc[ids, col0 : col0 + DP] += acc_k at the block's valid rows."""
-        if mode == "fixed32x2":  # int32 fields; each thread's column pairs go as one 64-bit add
+        if split_dk:  # the producer staged the block's row scales; each thread's column pairs round and add
+            for i, j in T.Parallel(BI, DP // 2):
+                row = c.ids_sh[par * BI + i]
+                if row >= 0:
+                    T.call_extern("handle", "FixedAddx2", T.access_ptr(c.Acc[row, col0 + 2 * j], "rw"),
+                                  T.access_ptr(acc_k[i, 2 * j], "r"), c.scl_sh[par * BI + i, 0],
+                                  c.scl_sh[par * BI + i, 1])
+        elif acc_dtype == "int32":  # int32 fields; each thread's column pairs go as one 64-bit add
             for i, j in T.Parallel(BI, DP):
                 acc_x[i, j] = T.Cast("int32", fixed(acc_k[i, j], c, T.max(c.ids_sh[par * BI + i], 0)))
             for i, j in T.Parallel(BI, DP // 2):
@@ -103,24 +133,34 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
             for i, j in T.Parallel(BI, DP):
                 row = c.ids_sh[par * BI + i]
                 if row >= 0:
-                    if mode == "fixed64":
+                    if acc_dtype == "int64":
                         T.atomic_add(c.Acc[row, col0 + j], T.Cast("int64", fixed(acc_k[i, j], c, 0)))
                     else:
                         T.atomic_add(c.Acc[row, col0 + j], acc_k[i, j])
 
     @T.macro
-    def dq_and_dk(c, acc_dq, acc_k, acc_x, first, par):
-        """This consumer's dq pieces, the gather buffer's release, then its dk pieces."""
+    def dq_pieces(c, acc_dq, first):
+        """Issue this consumer's dq MMAs (``dq[:, half] += ds · k[:, half]``); the caller waits."""
         for u in halves:
             T.wgmma_gemm(c.ds_sh, c.kv_s[first + u], acc_dq[u], transpose_A=True)
-        T.wait_wgmma(0)
-        T.barrier_arrive(c.empty[0])
-        for u in halves:
-            T.wgmma_gemm(c.ds_sh, c.q_s[first + u], acc_k, clear_accum=True)
-            T.wgmma_gemm(c.p_sh, c.do_s[first + u], acc_k)
-            T.wait_wgmma(0)
-            add_piece(c, acc_k, acc_x, par, (first + u) * DP)
-        T.barrier_arrive(c.pds_empty[0])
+
+    @T.macro
+    def dk_pieces(c, acc_k, acc_x, first, par):
+        """This consumer's dk pieces ``dsᵀ · q + pᵀ · dO``, each added into the accumulator: one at a
+        time through one fragment, or (``dk32x2``) all issued at once, each added once its MMAs end."""
+        if split_dk:
+            for u in halves:
+                T.wgmma_gemm(c.ds_sh, c.q_s[first + u], acc_k[u], clear_accum=True)
+                T.wgmma_gemm(c.p_sh, c.do_s[first + u], acc_k[u])
+            for u in halves:
+                T.wait_wgmma(2 * (HALF - 1 - u))
+                add_piece(c, acc_k[u], acc_x, par, (first + u) * DP)
+        else:
+            for u in halves:
+                T.wgmma_gemm(c.ds_sh, c.q_s[first + u], acc_k[0], clear_accum=True)
+                T.wgmma_gemm(c.p_sh, c.do_s[first + u], acc_k[0])
+                T.wait_wgmma(0)
+                add_piece(c, acc_k[0], acc_x, par, (first + u) * DP)
 
     @T.macro
     def add_bounds(c, acc_t, par):
@@ -134,7 +174,6 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
             row = c.ids_sh[par * BI + lt]
             if row >= 0:
                 T.atomic_add(c.Acc[row, 0], T.Cast("int64", T.ceil(c.bound_sh[lt] * c.Scales[0, 0] * c.Scales[0, 1])))
-        T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
     def probabilities(c, j, acc_t, acc_dq, acc_k, acc_x):
@@ -144,20 +183,24 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
         for u in pieces:
             T.wgmma_gemm(c.kv_s[u], c.q_s[u], acc_t, transpose_B=True)
         T.wait_wgmma(0)
-        if not grads:
+        if not has_dq:
             T.barrier_arrive(c.empty[0])
         T.barrier_wait(c.pds_empty[0], (j & 1) ^ 1)
         for i, h in T.Parallel(BI, HB):
             acc_t[i, h] = T.exp2(acc_t[i, h] * sl2 - c.lse_sh[h])
         T.copy(acc_t, c.pf_sh)
-        if grads:
+        if has_dk:
             T.copy(acc_t, c.p_sh)
         T.barrier_arrive(c.p_full[0])
-        if grads:
+        if has_dq or has_dk:
             T.barrier_wait(c.ds_full[0], j & 1)
-            dq_and_dk(c, acc_dq, acc_k, acc_x, 0, j & 1)
-        else:
-            T.barrier_arrive(c.pds_empty[0])
+        if has_dq:
+            dq_pieces(c, acc_dq, 0)
+            T.wait_wgmma(0)
+            T.barrier_arrive(c.empty[0])
+        if has_dk:
+            dk_pieces(c, acc_k, acc_x, 0, j & 1)
+        T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
     def score_grads(c, j, acc_t, acc_dq, acc_k, acc_x):
@@ -165,17 +208,24 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
         for u in pieces:
             T.wgmma_gemm(c.kv_s[u], c.do_s[u], acc_t, transpose_B=True, clear_accum=u == 0)
         T.wait_wgmma(0)
-        if not grads:
+        if not has_dq:
             T.barrier_arrive(c.empty[0])
         T.barrier_wait(c.p_full[0], j & 1)
         for i, h in T.Parallel(BI, HB):
             acc_t[i, h] = c.pf_sh[i, h] * (acc_t[i, h] - c.delta_sh[h]) * scale
-        if grads:
+        if has_dq or has_dk:
             T.copy(acc_t, c.ds_sh)
             T.barrier_arrive(c.ds_full[0])
-            dq_and_dk(c, acc_dq, acc_k, acc_x, HALF, j & 1)
-        else:
+        if has_dq:
+            dq_pieces(c, acc_dq, HALF)  # in flight while the bounds are summed
+        if has_bound:
             add_bounds(c, acc_t, j & 1)
+        if has_dq:
+            T.wait_wgmma(0)
+            T.barrier_arrive(c.empty[0])
+        if has_dk:
+            dk_pieces(c, acc_k, acc_x, HALF, j & 1)
+        T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
     def write_dq(c, acc_dq, first):
@@ -194,6 +244,9 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
             if p % 8 == 0:
                 c.bias[row] = T.if_then_else(c.row_id[r] >= 0, 0, -T.infinity(f32))
                 c.ids_sh[(j & 1) * BI + row] = c.row_id[r]
+                if split_dk:
+                    c.scl_sh[(j & 1) * BI + row, 0] = c.Scales[T.max(c.row_id[r], 0), 0]
+                    c.scl_sh[(j & 1) * BI + row, 1] = c.Scales[T.max(c.row_id[r], 0), 1]
             src = T.max(c.row_id[r], 0)
             for u in pieces:
                 for v in T.unroll(DP // 64):
@@ -229,13 +282,15 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
             bound_sh = T.alloc_shared([BI], f32)
             bias = T.alloc_shared([BI], f32)
             ids_sh = T.alloc_shared([2 * BI], ids_dtype)
+            scl_sh = T.alloc_shared([2 * BI, 2], f32) if split_dk else None
             span = T.alloc_shared([2], "int32")
 
             # each consumer its own fragments: with one fragment written in both branches TileLang
             # 0.1.15 dropped consumer 1's element-wise loop and atomics from the generated code
             acc_t = [T.alloc_fragment([BI, HB], f32) for _ in range(2)]
-            acc_dq = [[T.alloc_fragment([HB, DP], f32) for _ in range(HALF if grads else 0)] for _ in range(2)]
-            acc_k = [T.alloc_fragment([BI, DP], f32) if grads else None for _ in range(2)]
+            acc_dq = [[T.alloc_fragment([HB, DP], f32) for _ in range(HALF if has_dq else 0)] for _ in range(2)]
+            acc_k = [[T.alloc_fragment([BI, DP], f32) for _ in range((HALF if split_dk else 1) if has_dk else 0)]
+                     for _ in range(2)]
             acc_x = [T.alloc_fragment([BI, DP], "int32") if mode == "fixed32x2" else None for _ in range(2)]
             bound_f = T.alloc_fragment([BI], f32)
             row_id = T.alloc_local([BI // 16], ids_dtype)
@@ -263,7 +318,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
             if tx < HB:
                 lse_sh[tx] = Lse[t, h0 + tx] * 1.4426950408889634
                 delta_sh[tx] = Delta[t, h0 + tx]
-                if not grads:
+                if has_bound:
                     qmax_sh[tx] = Maxima[t, h0 + tx, 0]
                     gmax_sh[tx] = Maxima[t, h0 + tx, 1]
             m.row_span(span, lo_hi, Ids, t, tx)
@@ -275,7 +330,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
                                       q_s=q_s, do_s=do_s, kv_s=kv_s, p_sh=p_sh, ds_sh=ds_sh, pf_sh=pf_sh,
                                       lse_sh=lse_sh, delta_sh=delta_sh, bias=bias, ids_sh=ids_sh,
                                       row_id=row_id, Scales=Scales, qmax_sh=qmax_sh, gmax_sh=gmax_sh,
-                                      bound_f=bound_f, bound_sh=bound_sh)
+                                      bound_f=bound_f, bound_sh=bound_sh, scl_sh=scl_sh)
 
             # registers: 384 threads launch with 168 each (64512 of the SM's 65536), and setmaxnreg
             # can only redistribute those: 2 x 232 + 40 = 504 per thread of a warpgroup (240 + 240 +
@@ -284,18 +339,18 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
                 T.set_max_nreg(232, 1)
                 T.barrier_wait(bar_q[0], 0)
                 if tx < 128:
-                    for u in halves if grads else ():
+                    for u in halves if has_dq else ():
                         T.fill(acc_dq[0][u], 0)
                     for n in T.serial(n_lo, n_hi):
                         probabilities(c, n - n_lo, acc_t[0], acc_dq[0], acc_k[0], acc_x[0])
-                    if grads:
+                    if has_dq:
                         write_dq(c, acc_dq[0], 0)
                 else:
-                    for u in halves if grads else ():
+                    for u in halves if has_dq else ():
                         T.fill(acc_dq[1][u], 0)
                     for n in T.serial(n_lo, n_hi):
                         score_grads(c, n - n_lo, acc_t[1], acc_dq[1], acc_k[1], acc_x[1])
-                    if grads:
+                    if has_dq:
                         write_dq(c, acc_dq[1], HALF)
             else:
                 T.set_max_nreg(40, 0)
@@ -317,8 +372,11 @@ def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, de
                             accumulator="fixed32x2"):
     """``(dq [T, H, D] bf16, dkv [S, D] bf16)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`).
 
-    ``deterministic``: ``accumulator`` ``"fixed32x2"`` (a ``bound`` launch, then int32 fields with a
-    scale per latent row, two per int64 word) or ``"fixed64"`` (one scale); else FP32 atomics."""
+    ``deterministic``: ``accumulator`` (:data:`ACCUMULATORS`) ``"fixed32x2"`` (a ``bound`` launch,
+    then int32 fields with a scale per latent row, two per int64 word), ``"fixed32x2_split"`` (the
+    same fields; the first launch also computes dq, the second only dkv) or ``"fixed64"`` (one
+    scale); else FP32 atomics. The deterministic choices give the same dq; both ``fixed32x2`` forms
+    the same dkv."""
     from inductor_ext.kernels.sparse_mla.backward import _absmax, fixed_point_scale, row_scales, softmax_delta
 
     q, kv, token_ids, dout = (x.contiguous() for x in (q, kv, token_ids, dout))
@@ -327,9 +385,9 @@ def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, de
     dev = kv.device
     if T_ == 0:
         return torch.zeros_like(q), torch.zeros_like(kv)
+    if accumulator not in ACCUMULATORS:
+        raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got {accumulator!r}")
     mode = accumulator if deterministic else "float32"
-    if mode not in MODES[:3]:
-        raise ValueError(f"accumulator must be one of {MODES[:2]}, got {accumulator!r}")
     ids_dtype = "int32" if token_ids.dtype == torch.int32 else "int64"
     delta = softmax_delta(out, dout, dlse)
     lse = lse.float().contiguous()
@@ -348,8 +406,10 @@ def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, de
     if mode == "fixed64":
         acc = launch(mode, maxima, fx[None], torch.zeros((S, D), dtype=torch.int64, device=dev), dq)
         return dq, (acc.double() * inv.double().prod()).to(kv.dtype)
-    bound = launch("bound", torch.stack((qmax, gmax), -1), fx[None],
-                   torch.zeros((S, 1), dtype=torch.int64, device=dev), dq[:1])
+    split = mode == "fixed32x2_split"
+    bound = launch("bound_dq" if split else "bound", torch.stack((qmax, gmax), -1), fx[None],
+                   torch.zeros((S, 1), dtype=torch.int64, device=dev), dq if split else dq[:1])
     rowfx, rowinv = row_scales(bound[:, 0], inv)
-    fields = launch(mode, maxima, rowfx, torch.zeros((S, D), dtype=torch.int32, device=dev), dq)
+    fields = launch("dk32x2" if split else mode, maxima, rowfx, torch.zeros((S, D), dtype=torch.int32, device=dev),
+                    dq[:1] if split else dq)
     return dq, (_unpack_pairs(fields.view(torch.int64)).double() * rowinv.double().prod(-1, keepdim=True)).to(kv.dtype)
