@@ -147,13 +147,16 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
     @T.macro
     def dk_pieces(c, acc_k, acc_x, first, par):
         """This consumer's dk pieces ``dsᵀ · q + pᵀ · dO``, each added into the accumulator: one at a
-        time through one fragment, or (``dk32x2``) all issued at once, each added once its MMAs end."""
+        time through one fragment, or (``dk32x2``) all issued at once, each added once its MMAs end,
+        the probabilities released (``pds_empty``) before the last piece's atomics."""
         if split_dk:
             for u in halves:
                 T.wgmma_gemm(c.ds_sh, c.q_s[first + u], acc_k[u], clear_accum=True)
                 T.wgmma_gemm(c.p_sh, c.do_s[first + u], acc_k[u])
             for u in halves:
                 T.wait_wgmma(2 * (HALF - 1 - u))
+                if u == HALF - 1:
+                    T.barrier_arrive(c.pds_empty[0])
                 add_piece(c, acc_k[u], acc_x, par, (first + u) * DP)
         else:
             for u in halves:
@@ -200,7 +203,8 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
             T.barrier_arrive(c.empty[0])
         if has_dk:
             dk_pieces(c, acc_k, acc_x, 0, j & 1)
-        T.barrier_arrive(c.pds_empty[0])
+        if not split_dk:
+            T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
     def score_grads(c, j, acc_t, acc_dq, acc_k, acc_x):
@@ -225,7 +229,8 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
             T.barrier_arrive(c.empty[0])
         if has_dk:
             dk_pieces(c, acc_k, acc_x, HALF, j & 1)
-        T.barrier_arrive(c.pds_empty[0])
+        if not split_dk:
+            T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
     def write_dq(c, acc_dq, first):
