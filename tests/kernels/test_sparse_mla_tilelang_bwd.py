@@ -3,10 +3,11 @@
 Its geometries and the op's routing are checked beside the forward's (``test_sparse_mla_tilelang.py``).
 ``cuda``: dq and dkv against the FP64 VJP (relative L2 <= 1e-2) at awkward cases (padding anywhere,
 an empty row, a row of one id, duplicate ids, H 64 / 128, D 256 / 512, int32 / int64 ids), bitwise
-equal run to run and to the split launches (``fixed32x2_split``), the int64 and FP32-atomic
-variants within the same bound, a rarely picked latent row as precise as a popular one, the op
-routed to the kernel and captured in a CUDA graph; these skip unless an sm_90 GPU and tilelang are
-present. On any machine: an unknown accumulator is refused.
+equal run to run, to the split launches (``fixed32x2_split``) and with head-major q and dout read
+in place (``strided=True``), the int64 and FP32-atomic variants within the same bound, a rarely
+picked latent row as precise as a popular one, the op routed to the kernel and captured in a CUDA
+graph; these skip unless an sm_90 GPU and tilelang are present. On any machine: an unknown
+accumulator is refused.
 """
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from inductor_ext.kernels.sparse_mla import tilelang_backward as tlb
 from inductor_ext.kernels.sparse_mla import tilelang_forward as tlf
 from tests.support.fp64 import assert_rel_l2
-from tests.support.sparse_mla import awkward_ids_inputs, fp64_vjp, graph_replay, tilelang_gpu
+from tests.support.sparse_mla import awkward_ids_inputs, fp64_vjp, graph_replay, head_major, tilelang_gpu
 
 pytest.importorskip("triton")
 
@@ -54,6 +55,10 @@ def test_backward_matches_fp64_and_repeats(case):
     assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2), "not bitwise repeatable"
     dq_s, dkv_s = tlb.sparse_mla_bwd_tilelang(*args, accumulator="fixed32x2_split")
     assert torch.equal(dq, dq_s) and torch.equal(dkv, dkv_s), "the split launches differ from fixed32x2"
+    hm = (head_major(qc), kvc, idc, out, lse, head_major(gc), lc, scale)
+    for accumulator in ("fixed32x2", "fixed32x2_split"):
+        dq_h, dkv_h = tlb.sparse_mla_bwd_tilelang(*hm, accumulator=accumulator, strided=True)
+        assert torch.equal(dq, dq_h) and torch.equal(dkv, dkv_h), f"head-major q, dout read in place ({accumulator})"
     _, dkv_f = tlb.sparse_mla_bwd_tilelang(*args, deterministic=False)
     assert_rel_l2("dkv (fp32 atomics)", dkv_f.cpu(), dkv64, GRAD_TOL)
     dq64b, dkv_64 = tlb.sparse_mla_bwd_tilelang(*args, accumulator="fixed64")

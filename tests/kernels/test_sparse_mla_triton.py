@@ -19,7 +19,7 @@ import torch
 
 from inductor_ext.ops import sparse_mla_reference as ref
 from tests.support.fp64 import assert_rel_l2, rel_l2
-from tests.support.sparse_mla import Case, bf16_floor, fp64_vjp, graph_replay, make_inputs
+from tests.support.sparse_mla import Case, bf16_floor, fp64_vjp, graph_replay, head_major, make_inputs
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -164,6 +164,33 @@ def test_packed_words_sum_each_field_exactly(kt):
     kt.backward._fixed_to_float_kernel[(1,)](acc, out, torch.ones(2, 2), 4, D=2, DC=1, NP=1, BLOCK=4)
     want = torch.tensor([[lo[r::2].sum(), hi[r::2].sum()] for r in (0, 1)], dtype=torch.float32)
     assert torch.equal(out, want), f"decoded {out.tolist()} != field sums {want.tolist()}"
+
+
+def test_softmax_delta_reads_any_layout(kt):
+    """delta of head-major out / dout (read in place through their strides) is bitwise the
+    contiguous inputs' and matches the FP64 sum; d_v = 24 is masked inside a 32-wide block."""
+    gen = torch.Generator().manual_seed(3)
+    out, dout = (torch.randn(5, 3, 24, generator=gen).bfloat16() for _ in range(2))
+    dlse = torch.randn(5, 3, generator=gen)
+    delta = kt.backward.softmax_delta(out, dout, dlse)
+    assert torch.equal(kt.backward.softmax_delta(head_major(out), head_major(dout), dlse), delta)
+    assert torch.equal(kt.backward.softmax_delta(out, head_major(dout), dlse), delta)
+    want = (out.double() * dout.double()).sum(-1) - dlse.double()
+    assert_rel_l2("delta", delta, want, 1e-6)
+
+
+def test_head_major_query_and_gradient_give_the_same_bits(kt):
+    """The Triton kernels read q and dout through their strides: head-major inputs give bitwise the
+    contiguous inputs' out, lse, dq and dkv."""
+    inp = make_inputs(INTERP_CASES[0], seed=4)
+    q, kv, ids, dout = inp["q"], inp["kv"], inp["token_ids"], inp["dout"]
+    fwd_args, small = (inp["scale"], inp["d_v"]), dict(dq_config=dict(block_n=16), dkv_config=dict(block_n=16))
+    out, lse = kt.sparse_mla_fwd(q, kv, ids, *fwd_args, block_n=16)
+    out_h, lse_h = kt.sparse_mla_fwd(head_major(q), kv, ids, *fwd_args, block_n=16)
+    assert torch.equal(out, out_h) and torch.equal(lse, lse_h)
+    grads = kt.sparse_mla_bwd(q, kv, ids, out, lse, dout, inp["dlse"], *fwd_args, **small)
+    grads_h = kt.sparse_mla_bwd(head_major(q), kv, ids, out, lse, head_major(dout), inp["dlse"], *fwd_args, **small)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_h))
 
 
 def test_unsupported_dim_raises(kt):

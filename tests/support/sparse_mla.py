@@ -162,6 +162,12 @@ def awkward_ids_inputs(T, H, D, S, W, id_dtype, seed=0):
     return q, kv, ids.to(id_dtype)
 
 
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """x's values ``[T, H, d]`` in head-major memory (``[H, T, d]`` underneath), as the absorbed
+    layer's per-head GEMMs leave the query and the output gradient."""
+    return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 def meta_inputs(T=4, H=64, D=512, S=8, W=5, dtype=torch.bfloat16, ids=torch.int32):
     """``(q, kv, token_ids)`` on the meta device: shapes and dtypes for the kernels' ``supports``."""
     return (torch.empty(T, H, D, dtype=dtype, device="meta"), torch.empty(S, D, dtype=dtype, device="meta"),

@@ -321,26 +321,30 @@ def _fixed_to_float_kernel(acc_ptr, out_ptr, inv_ptr, N, D: tl.constexpr, DC: tl
 
 
 @triton.jit
-def _delta_kernel(o_ptr, do_ptr, dlse_ptr, out_ptr, s_o, s_do, DV: tl.constexpr, BLOCK: tl.constexpr):
-    """out[r] = Σ_d o[r, d] · do[r, d] − dlse[r] in FP32, one (query, head) row ``r`` per program."""
+def _delta_kernel(o_ptr, do_ptr, dlse_ptr, out_ptr, o_t, o_h, do_t, do_h, H, DV: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """out[r] = Σ_d o[t, h, d] · do[t, h, d] − dlse[r] in FP32, one (query, head) row ``r = t·H + h``
+    per program (``o_t``, ``o_h``, ``do_t``, ``do_h``: the two tensors' query and head strides)."""
     r = tl.program_id(0).to(tl.int64)
+    t, h = r // H, r % H
     cols = tl.arange(0, BLOCK)
     m = cols < DV
-    o = tl.load(o_ptr + r * s_o + cols, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(do_ptr + r * s_do + cols, mask=m, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + t * o_t + h * o_h + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(do_ptr + t * do_t + h * do_h + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + r, tl.sum(o * g, 0) - tl.load(dlse_ptr + r))
 
 
 def softmax_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor) -> torch.Tensor:
     """``delta [T, H]`` FP32 ``= Σ_d out · dout − dlse`` (the softmax backward's row term), without
-    FP32 copies of ``out`` or ``dout``."""
+    FP32 copies of ``out`` or ``dout``; any query and head strides (``dout`` head-major, as the
+    absorbed layer's per-head GEMM leaves it, is read in place)."""
     T, H, d_v = out.shape
-    out, dout = (x if x.stride(-1) == 1 and x.stride(0) == H * x.stride(1) else x.contiguous() for x in (out, dout))
+    out, dout = (x if x.stride(-1) == 1 else x.contiguous() for x in (out, dout))
     dlse = dlse.float().contiguous()
     delta = torch.empty((T, H), dtype=torch.float32, device=out.device)
     if T * H:
-        _delta_kernel[(T * H,)](out, dout, dlse, delta, out.stride(1), dout.stride(1), DV=d_v,
-                                BLOCK=triton.next_power_of_2(d_v))
+        _delta_kernel[(T * H,)](out, dout, dlse, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+                                H, DV=d_v, BLOCK=triton.next_power_of_2(d_v))
     return delta
 
 

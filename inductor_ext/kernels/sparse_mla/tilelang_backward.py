@@ -52,7 +52,7 @@ import types
 
 import torch
 
-from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, supports
+from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, row_major_inputs, supports
 
 __all__ = ["supports", "sparse_mla_bwd_tilelang", "HEADS_PER_CTA", "BLOCK", "MODES", "ACCUMULATORS"]
 
@@ -89,10 +89,11 @@ __device__ __forceinline__ void FixedAddx2(int *ref, const float *val, float s0,
 
 
 @functools.cache
-def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
+def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bool = False):
     """The launch for ``mode`` (:data:`_MODES`): ``fixed64`` / ``fixed32x2`` / ``float32`` accumulate
     dq and dkv; ``bound`` only adds each listed slot's bound into ``Acc[:, 0]``; the split pair
-    ``bound_dq`` (the bounds and dq) then ``dk32x2`` (dkv only, its two pieces in flight at once)."""
+    ``bound_dq`` (the bounds and dq) then ``dk32x2`` (dkv only, its two pieces in flight at once).
+    ``strided``: Q's and dO's query and head strides are kernel arguments (else both contiguous)."""
     import tilelang.language as T
 
     HB, BI, DP = HEADS_PER_CTA, BLOCK, PIECE
@@ -107,6 +108,13 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
     acc_width = D if has_dk else 1
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
     n_max, n_scales, n_dq = T.dynamic("TM"), T.dynamic("NS"), T.dynamic("TQ")
+
+    def rows_type(name):  # a [T, H, D] operand the producer copies in by 16-byte cp.async
+        if strided:
+            return T.StridedTensor([n_rows, H, D], [T.dynamic(f"{name}_t"), T.dynamic(f"{name}_h"), 1], bf16)
+        return T.Tensor([n_rows, H, D], bf16)
+
+    q_type, do_type = rows_type("q"), rows_type("do")
     m = macros(T, width, n_keys)
 
     def fixed(x, c, k):  # x scaled by the two factors of scale row k, rounded (ties to even)
@@ -262,10 +270,10 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str):
 
     @T.prim_func
     def main(
-        Q: T.Tensor([n_rows, H, D], bf16),
+        Q: q_type,
         KV: T.Tensor([n_keys, D], bf16),
         Ids: T.Tensor([n_rows, width], ids_dtype),
-        dO: T.Tensor([n_rows, H, D], bf16),
+        dO: do_type,
         Lse: T.Tensor([n_rows, H], f32),
         Delta: T.Tensor([n_rows, H], f32),
         Maxima: T.Tensor([n_max, H, 2], f32),
@@ -374,17 +382,20 @@ def _unpack_pairs(words: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, deterministic=True,
-                            accumulator="fixed32x2"):
+                            accumulator="fixed32x2", strided=False):
     """``(dq [T, H, D] bf16, dkv [S, D] bf16)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`).
 
     ``deterministic``: ``accumulator`` (:data:`ACCUMULATORS`) ``"fixed32x2"`` (a ``bound`` launch,
     then int32 fields with a scale per latent row, two per int64 word), ``"fixed32x2_split"`` (the
     same fields; the first launch also computes dq, the second only dkv) or ``"fixed64"`` (one
     scale); else FP32 atomics. The deterministic choices give the same dq; both ``fixed32x2`` forms
-    the same dkv."""
+    the same dkv. ``strided``: non-contiguous ``q`` / ``dout`` that the 16-byte copies can read (head-major
+    ones, say) are read in place (:func:`~.tilelang_common.row_major_inputs`); else copied first. The
+    same bits either way."""
     from inductor_ext.kernels.sparse_mla.backward import _absmax, fixed_point_scale, row_scales, softmax_delta
 
-    q, kv, token_ids, dout = (x.contiguous() for x in (q, kv, token_ids, dout))
+    (q, dout), strided_in = row_major_inputs(q, dout, strided=strided)
+    kv, token_ids = kv.contiguous(), token_ids.contiguous()
     T_, H, D = q.shape
     S = kv.shape[0]
     dev = kv.device
@@ -397,10 +408,11 @@ def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, de
     delta = softmax_delta(out, dout, dlse)
     lse = lse.float().contiguous()
     maxima = torch.zeros((1, H, 2), dtype=torch.float32, device=dev)
-    dq = torch.empty_like(q)
+    dq = torch.empty((T_, H, D), dtype=q.dtype, device=dev)
 
     def launch(kind, maxima, scales, acc, dq_out):
-        _kernel(H, D, float(scale), ids_dtype, kind)(q, kv, token_ids, dout, lse, delta, maxima, scales, acc, dq_out)
+        _kernel(H, D, float(scale), ids_dtype, kind, strided_in)(q, kv, token_ids, dout, lse, delta, maxima, scales,
+                                                                 acc, dq_out)
         return acc
 
     if mode == "float32":

@@ -10,7 +10,7 @@ import types
 
 import torch
 
-__all__ = ["supports", "compile_kernel", "macros", "HEADS_PER_CTA", "BLOCK", "THREADS"]
+__all__ = ["supports", "compile_kernel", "macros", "row_major_inputs", "HEADS_PER_CTA", "BLOCK", "THREADS"]
 
 HEADS_PER_CTA = 64
 BLOCK = 64  # listed ids per gathered block
@@ -25,6 +25,21 @@ def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: in
     H, D = q.shape[1], q.shape[2]
     return (tuple(capability) == (9, 0) and q.dtype == kv.dtype == torch.bfloat16 and H % HEADS_PER_CTA == 0
             and d_v == D and D in (256, 512) and token_ids.dtype in (torch.int32, torch.int64))
+
+
+def row_major_inputs(*xs: torch.Tensor, strided: bool) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``(tensors, strided_kernel)`` for the ``[T, H, D]`` operands that the kernels load by 16-byte
+    ``cp.async``: with ``strided`` and one of them not contiguous, all are passed as they are
+    (``strided_kernel`` True: the kernel takes their query and head strides) when every stride but
+    the last (1) is a multiple of 8 elements below 2^31 and each start is 16-byte aligned, so a
+    head-major query is read in place; otherwise contiguous copies of those that need one."""
+    def readable(x):
+        *outer, last = x.stride()
+        return last == 1 and all(s % 8 == 0 and s < 2**31 for s in outer) and x.data_ptr() % 16 == 0
+
+    if strided and not all(x.is_contiguous() for x in xs) and all(readable(x) for x in xs):
+        return xs, True
+    return tuple(x.contiguous() for x in xs), False
 
 
 def compile_kernel(main, **kwargs):

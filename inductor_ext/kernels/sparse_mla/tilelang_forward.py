@@ -41,13 +41,15 @@ import types
 
 import torch
 
-from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, supports
+from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, row_major_inputs, supports
 
 __all__ = ["supports", "sparse_mla_fwd_tilelang", "HEADS_PER_CTA", "BLOCK"]
 
 
 @functools.cache
-def _kernel(H: int, D: int, scale: float, ids_dtype: str):
+def _kernel(H: int, D: int, scale: float, ids_dtype: str, strided: bool = False):
+    """The forward for the geometry; ``strided``: Q's query and head strides are kernel arguments
+    (else Q is contiguous)."""
     import tilelang.language as T
 
     HB, BI, DH = HEADS_PER_CTA, BLOCK, D // 2
@@ -55,6 +57,8 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
     sl2 = scale * 1.4426950408889634
     bf16, f32 = "bfloat16", "float32"
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
+    q_type = (T.StridedTensor([n_rows, H, D], [T.dynamic("q_t"), T.dynamic("q_h"), 1], bf16) if strided
+              else T.Tensor([n_rows, H, D], bf16))
     m = macros(T, width, n_keys)
 
     @T.macro
@@ -116,7 +120,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
 
     @T.prim_func
     def main(
-        Q: T.Tensor([n_rows, H, D], bf16),
+        Q: q_type,
         KV: T.Tensor([n_keys, D], bf16),
         Ids: T.Tensor([n_rows, width], ids_dtype),
         Out: T.Tensor([n_rows, H, D], bf16),
@@ -221,9 +225,14 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str):
     return compile_kernel(main, out_idx=[3, 4])
 
 
-def sparse_mla_fwd_tilelang(q, kv, token_ids, scale, d_v):
-    """``(out [T, H, D] bf16, lse [T, H] fp32)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`)."""
-    q, kv, token_ids = (x.contiguous() for x in (q, kv, token_ids))
+def sparse_mla_fwd_tilelang(q, kv, token_ids, scale, d_v, *, strided=False):
+    """``(out [T, H, D] bf16, lse [T, H] fp32)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`).
+
+    ``strided``: a non-contiguous ``q`` that the 16-byte copies can read (a head-major one, say) is
+    read in place by a kernel that takes its strides (:func:`~.tilelang_common.row_major_inputs`);
+    else it is copied first. The same bits either way."""
+    (q,), strided_q = row_major_inputs(q, strided=strided)
+    kv, token_ids = kv.contiguous(), token_ids.contiguous()
     ids_dtype = "int32" if token_ids.dtype == torch.int32 else "int64"
-    kernel = _kernel(q.shape[1], q.shape[2], float(scale), ids_dtype)
+    kernel = _kernel(q.shape[1], q.shape[2], float(scale), ids_dtype, strided_q)
     return kernel(q, kv, token_ids)
