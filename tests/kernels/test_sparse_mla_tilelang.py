@@ -3,8 +3,8 @@
 CPU: which geometries the TileLang kernels take (one ``supports`` for forward and backward), which
 inputs they read in place (``row_major_inputs``) and how the op routes both (TileLang where
 supported and installed, else Triton, the missing extra logged once). ``cuda``: the kernel against the independent FP64 reference (out within 2x the BF16 floor,
-lse within 1e-5) at awkward cases, a head-major q read in place (``strided=True``, bitwise the
-contiguous q's result), the op routed to it (bitwise the direct call), the Triton forward beside
+lse within 1e-5) at awkward cases, a head-major q read in place (bitwise the contiguous q's
+result), the op routed to it (bitwise the direct call), the Triton forward beside
 it, and CUDA-graph capture; these skip unless an sm_90 GPU and tilelang are present.
 """
 
@@ -51,16 +51,14 @@ def test_row_major_inputs_passes_readable_strides_in_place():
 
     q = torch.randn(6, 64, 512).bfloat16()
     hm = head_major(q)
-    (same,), strided = row_major_inputs(hm, strided=True)
+    (same,), strided = row_major_inputs(hm)
     assert strided and same is hm
-    (copy,), strided = row_major_inputs(hm, strided=False)
-    assert not strided and copy.is_contiguous() and torch.equal(copy, q)
-    (plain,), strided = row_major_inputs(q, strided=True)  # contiguous: the plain kernel
+    (plain,), strided = row_major_inputs(q)  # contiguous: the plain kernel
     assert not strided and plain is q
     odd = torch.randn(3, 6, 64, 516).bfloat16()[1, :, :, 4:]  # 516-wide rows: strides not multiples of 8
     assert odd.stride(-1) == 1 and not odd.is_contiguous()
-    (fixed, other), strided = row_major_inputs(odd, hm, strided=True)
-    assert not strided and fixed.is_contiguous() and other.is_contiguous()
+    (fixed, other), strided = row_major_inputs(odd, hm)
+    assert not strided and fixed.is_contiguous() and other.is_contiguous() and torch.equal(other, q)
 
 
 ROUTES = [  # (router, op name, the router's arguments after q, kv, ids for a given d_v)
@@ -124,7 +122,7 @@ def test_forward_matches_fp64(case):
     assert (out[empty] == 0).all()
     again = tlf.sparse_mla_fwd_tilelang(q.cuda(), kv.cuda(), ids.cuda(), scale, D)[0].cpu()
     assert torch.equal(out, again), "not bitwise repeatable"
-    in_place = tlf.sparse_mla_fwd_tilelang(head_major(q.cuda()), kv.cuda(), ids.cuda(), scale, D, strided=True)
+    in_place = tlf.sparse_mla_fwd_tilelang(head_major(q.cuda()), kv.cuda(), ids.cuda(), scale, D)
     assert torch.equal(out, in_place[0].cpu()) and torch.equal(lse, in_place[1].cpu()), "head-major q read in place"
     tri = sparse_mla_fwd(q.cuda(), kv.cuda(), ids.cuda(), scale, D)[0].cpu()
     assert (out.float() - tri.float()).abs().max() <= 2 ** -6 * out64.abs().max(), "vs the Triton forward"

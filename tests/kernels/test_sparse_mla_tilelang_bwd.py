@@ -4,10 +4,9 @@ Its geometries and the op's routing are checked beside the forward's (``test_spa
 ``cuda``: dq and dkv against the FP64 VJP (relative L2 <= 1e-2) at awkward cases (padding anywhere,
 an empty row, a row of one id, duplicate ids, H 64 / 128, D 256 / 512, int32 / int64 ids), bitwise
 equal run to run, to the split launches (``fixed32x2_split``) and with head-major q and dout read
-in place (``strided=True``), the int64 and FP32-atomic variants within the same bound, a rarely
-picked latent row as precise as a popular one, the op routed to the kernel and captured in a CUDA
-graph; these skip unless an sm_90 GPU and tilelang are present. On any machine: an unknown
-accumulator is refused.
+in place, the int64 and FP32-atomic variants within the same bound, a rarely picked latent row as
+precise as a popular one, the op routed to the kernel and captured in a CUDA graph; these skip
+unless an sm_90 GPU and tilelang are present. On any machine: an unknown accumulator is refused.
 """
 
 import pytest
@@ -57,7 +56,7 @@ def test_backward_matches_fp64_and_repeats(case):
     assert torch.equal(dq, dq_s) and torch.equal(dkv, dkv_s), "the split launches differ from fixed32x2"
     hm = (head_major(qc), kvc, idc, out, lse, head_major(gc), lc, scale)
     for accumulator in ("fixed32x2", "fixed32x2_split"):
-        dq_h, dkv_h = tlb.sparse_mla_bwd_tilelang(*hm, accumulator=accumulator, strided=True)
+        dq_h, dkv_h = tlb.sparse_mla_bwd_tilelang(*hm, accumulator=accumulator)
         assert torch.equal(dq, dq_h) and torch.equal(dkv, dkv_h), f"head-major q, dout read in place ({accumulator})"
     _, dkv_f = tlb.sparse_mla_bwd_tilelang(*args, deterministic=False)
     assert_rel_l2("dkv (fp32 atomics)", dkv_f.cpu(), dkv64, GRAD_TOL)

@@ -31,8 +31,7 @@ The ``[S, D]`` accumulator (launch modes, :data:`MODES`):
 - ``fixed32x2_split`` (deterministic, a candidate beside ``fixed32x2``): the same fields, bounds and
   results; the first launch (``bound_dq``) also accumulates dq, so the second (``dk32x2``) holds no
   dq registers: it releases each gather buffer after ``sᵀ`` / ``dpᵀ``, issues a consumer's two dk
-  pieces at once and rounds and adds the first while the second's MMAs run, with the block's row
-  scales staged in shared memory by the producer;
+  pieces at once and rounds and adds the first while the second's MMAs run;
 - ``fixed64`` (deterministic, one launch): int64 fixed point with one scale for the tensor (every
   partial sum below 2^60), one 64-bit integer atomic per element;
 - ``float32`` (``deterministic=False``): FP32 atomics, two columns per instruction (order-dependent
@@ -104,7 +103,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
     sl2 = scale * 1.4426950408889634
     bf16, f32 = "bfloat16", "float32"
     acc_dtype, has_dq, has_dk, has_bound = _MODES[mode]
-    split_dk = mode == "dk32x2"  # row scales staged in shared memory, pieces pipelined
+    split_dk = mode == "dk32x2"  # dk pieces pipelined, rounded and added without staging
     acc_width = D if has_dk else 1
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
     n_max, n_scales, n_dq = T.dynamic("TM"), T.dynamic("NS"), T.dynamic("TQ")
@@ -123,13 +122,12 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
     @T.macro
     def add_piece(c, acc_k, acc_x, par, col0):
         """acc[ids, col0 : col0 + DP] += acc_k at the block's valid rows."""
-        if split_dk:  # the producer staged the block's row scales; each thread's column pairs round and add
+        if split_dk:  # each thread's column pairs rounded and added in one step (no int32 staging)
             for i, j in T.Parallel(BI, DP // 2):
                 row = c.ids_sh[par * BI + i]
                 if row >= 0:
                     T.call_extern("handle", "FixedAddx2", T.access_ptr(c.Acc[row, col0 + 2 * j], "rw"),
-                                  T.access_ptr(acc_k[i, 2 * j], "r"), c.scl_sh[par * BI + i, 0],
-                                  c.scl_sh[par * BI + i, 1])
+                                  T.access_ptr(acc_k[i, 2 * j], "r"), c.Scales[row, 0], c.Scales[row, 1])
         elif acc_dtype == "int32":  # int32 fields; each thread's column pairs go as one 64-bit add
             for i, j in T.Parallel(BI, DP):
                 acc_x[i, j] = T.Cast("int32", fixed(acc_k[i, j], c, T.max(c.ids_sh[par * BI + i], 0)))
@@ -257,9 +255,6 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
             if p % 8 == 0:
                 c.bias[row] = T.if_then_else(c.row_id[r] >= 0, 0, -T.infinity(f32))
                 c.ids_sh[(j & 1) * BI + row] = c.row_id[r]
-                if split_dk:
-                    c.scl_sh[(j & 1) * BI + row, 0] = c.Scales[T.max(c.row_id[r], 0), 0]
-                    c.scl_sh[(j & 1) * BI + row, 1] = c.Scales[T.max(c.row_id[r], 0), 1]
             src = T.max(c.row_id[r], 0)
             for u in pieces:
                 for v in T.unroll(DP // 64):
@@ -295,7 +290,6 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
             bound_sh = T.alloc_shared([BI], f32)
             bias = T.alloc_shared([BI], f32)
             ids_sh = T.alloc_shared([2 * BI], ids_dtype)
-            scl_sh = T.alloc_shared([2 * BI, 2], f32) if split_dk else None
             span = T.alloc_shared([2], "int32")
 
             # each consumer its own fragments: with one fragment written in both branches TileLang
@@ -343,7 +337,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
                                       q_s=q_s, do_s=do_s, kv_s=kv_s, p_sh=p_sh, ds_sh=ds_sh, pf_sh=pf_sh,
                                       lse_sh=lse_sh, delta_sh=delta_sh, bias=bias, ids_sh=ids_sh,
                                       row_id=row_id, Scales=Scales, qmax_sh=qmax_sh, gmax_sh=gmax_sh,
-                                      bound_f=bound_f, bound_sh=bound_sh, scl_sh=scl_sh)
+                                      bound_f=bound_f, bound_sh=bound_sh)
 
             # registers: 384 threads launch with 168 each (64512 of the SM's 65536), and setmaxnreg
             # can only redistribute those: 2 x 232 + 40 = 504 per thread of a warpgroup (240 + 240 +
@@ -382,19 +376,19 @@ def _unpack_pairs(words: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, deterministic=True,
-                            accumulator="fixed32x2", strided=False):
+                            accumulator="fixed32x2"):
     """``(dq [T, H, D] bf16, dkv [S, D] bf16)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`).
 
     ``deterministic``: ``accumulator`` (:data:`ACCUMULATORS`) ``"fixed32x2"`` (a ``bound`` launch,
     then int32 fields with a scale per latent row, two per int64 word), ``"fixed32x2_split"`` (the
     same fields; the first launch also computes dq, the second only dkv) or ``"fixed64"`` (one
     scale); else FP32 atomics. The deterministic choices give the same dq; both ``fixed32x2`` forms
-    the same dkv. ``strided``: non-contiguous ``q`` / ``dout`` that the 16-byte copies can read (head-major
-    ones, say) are read in place (:func:`~.tilelang_common.row_major_inputs`); else copied first. The
-    same bits either way."""
+    the same dkv. Non-contiguous ``q`` / ``dout`` that the 16-byte copies can read (the absorbed
+    layer's head-major ones) are read in place (:func:`~.tilelang_common.row_major_inputs`), others
+    copied first: the same bits either way."""
     from inductor_ext.kernels.sparse_mla.backward import _absmax, fixed_point_scale, row_scales, softmax_delta
 
-    (q, dout), strided_in = row_major_inputs(q, dout, strided=strided)
+    (q, dout), strided_in = row_major_inputs(q, dout)
     kv, token_ids = kv.contiguous(), token_ids.contiguous()
     T_, H, D = q.shape
     S = kv.shape[0]

@@ -27,17 +27,17 @@ def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: in
             and d_v == D and D in (256, 512) and token_ids.dtype in (torch.int32, torch.int64))
 
 
-def row_major_inputs(*xs: torch.Tensor, strided: bool) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """``(tensors, strided_kernel)`` for the ``[T, H, D]`` operands that the kernels load by 16-byte
-    ``cp.async``: with ``strided`` and one of them not contiguous, all are passed as they are
-    (``strided_kernel`` True: the kernel takes their query and head strides) when every stride but
-    the last (1) is a multiple of 8 elements below 2^31 and each start is 16-byte aligned, so a
-    head-major query is read in place; otherwise contiguous copies of those that need one."""
+def row_major_inputs(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``(tensors, strided)`` for the ``[T, H, D]`` operands that the kernels load by 16-byte
+    ``cp.async``: when one of them is not contiguous and every one has unit last stride, its other
+    strides multiples of 8 elements below 2^31 and a 16-byte aligned start, all are passed as they
+    are (``strided``: the kernel is built with their query and head strides as arguments), so a
+    head-major query or gradient is read in place; otherwise contiguous copies (those that need one)."""
     def readable(x):
         *outer, last = x.stride()
         return last == 1 and all(s % 8 == 0 and s < 2**31 for s in outer) and x.data_ptr() % 16 == 0
 
-    if strided and not all(x.is_contiguous() for x in xs) and all(readable(x) for x in xs):
+    if not all(x.is_contiguous() for x in xs) and all(readable(x) for x in xs):
         return xs, True
     return tuple(x.contiguous() for x in xs), False
 

@@ -225,13 +225,13 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, strided: bool = False)
     return compile_kernel(main, out_idx=[3, 4])
 
 
-def sparse_mla_fwd_tilelang(q, kv, token_ids, scale, d_v, *, strided=False):
+def sparse_mla_fwd_tilelang(q, kv, token_ids, scale, d_v):
     """``(out [T, H, D] bf16, lse [T, H] fp32)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`).
 
-    ``strided``: a non-contiguous ``q`` that the 16-byte copies can read (a head-major one, say) is
-    read in place by a kernel that takes its strides (:func:`~.tilelang_common.row_major_inputs`);
-    else it is copied first. The same bits either way."""
-    (q,), strided_q = row_major_inputs(q, strided=strided)
+    A non-contiguous ``q`` that the 16-byte copies can read (the absorbed layer's head-major one)
+    is read in place by a kernel built with its strides (:func:`~.tilelang_common.row_major_inputs`),
+    others are copied first: the same bits either way."""
+    (q,), strided_q = row_major_inputs(q)
     kv, token_ids = kv.contiguous(), token_ids.contiguous()
     ids_dtype = "int32" if token_ids.dtype == torch.int32 else "int64"
     kernel = _kernel(q.shape[1], q.shape[2], float(scale), ids_dtype, strided_q)
