@@ -3,10 +3,10 @@
 Its geometries and the op's routing are checked beside the forward's (``test_sparse_mla_tilelang.py``).
 ``cuda``: dq and dkv against the FP64 VJP (relative L2 <= 1e-2) at awkward cases (padding anywhere,
 an empty row, a row of one id, duplicate ids, H 64 / 128, D 256 / 512, int32 / int64 ids), bitwise
-equal run to run, to the split launches (``fixed32x2_split``) and with head-major q and dout read
-in place, the int64 and FP32-atomic variants within the same bound, a rarely picked latent row as
-precise as a popular one, the op routed to the kernel and captured in a CUDA graph; these skip
-unless an sm_90 GPU and tilelang are present. On any machine: an unknown accumulator is refused.
+equal run to run and with head-major q and dout read in place, the int64 and FP32-atomic variants
+within the same bound, a rarely picked latent row as precise as a popular one, the op routed to the
+kernel and captured in a CUDA graph; these skip unless an sm_90 GPU and tilelang are present. On
+any machine: an unknown accumulator is refused.
 """
 
 import pytest
@@ -52,12 +52,8 @@ def test_backward_matches_fp64_and_repeats(case):
     assert_rel_l2("dkv", dkv.cpu(), dkv64, GRAD_TOL)
     dq2, dkv2 = tlb.sparse_mla_bwd_tilelang(*args)
     assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2), "not bitwise repeatable"
-    dq_s, dkv_s = tlb.sparse_mla_bwd_tilelang(*args, accumulator="fixed32x2_split")
-    assert torch.equal(dq, dq_s) and torch.equal(dkv, dkv_s), "the split launches differ from fixed32x2"
-    hm = (head_major(qc), kvc, idc, out, lse, head_major(gc), lc, scale)
-    for accumulator in ("fixed32x2", "fixed32x2_split"):
-        dq_h, dkv_h = tlb.sparse_mla_bwd_tilelang(*hm, accumulator=accumulator)
-        assert torch.equal(dq, dq_h) and torch.equal(dkv, dkv_h), f"head-major q, dout read in place ({accumulator})"
+    dq_h, dkv_h = tlb.sparse_mla_bwd_tilelang(head_major(qc), kvc, idc, out, lse, head_major(gc), lc, scale)
+    assert torch.equal(dq, dq_h) and torch.equal(dkv, dkv_h), "head-major q, dout read in place"
     _, dkv_f = tlb.sparse_mla_bwd_tilelang(*args, deterministic=False)
     assert_rel_l2("dkv (fp32 atomics)", dkv_f.cpu(), dkv64, GRAD_TOL)
     dq64b, dkv_64 = tlb.sparse_mla_bwd_tilelang(*args, accumulator="fixed64")
@@ -86,11 +82,11 @@ def test_op_routes_backward_to_tilelang_and_captures():
 
 @pytest.mark.cuda
 @tilelang_gpu
-@pytest.mark.parametrize("accumulator", ["fixed32x2", "fixed32x2_split", "fixed64"])
+@pytest.mark.parametrize("accumulator", ["fixed32x2", "fixed64"])
 def test_rarely_picked_row_keeps_its_precision(accumulator):
     """Latent row 1 is listed by one query, row 0 by every query with gradients ~1e6 times larger.
     One int32 scale for the whole tensor would quantize row 1 at 2^-29 of row 0's bound (~2^-5 of
-    row 1); its own scale (both ``fixed32x2`` forms) or 60 bits (``fixed64``) keep it at the BF16 rounding."""
+    row 1); its own scale (``fixed32x2``) or 60 bits (``fixed64``) keep it at the BF16 rounding."""
     T, H, D = 24, 64, 256
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(T, H, D, generator=gen).bfloat16()
@@ -113,5 +109,5 @@ def test_rarely_picked_row_keeps_its_precision(accumulator):
 def test_unknown_accumulator_is_refused():
     q, kv, ids, dout, dlse = _grad_inputs(2, 64, 256, 3, 2, torch.int32)
     out, lse = torch.zeros_like(q), torch.zeros(2, 64)
-    with pytest.raises(ValueError, match="fixed32x2_split"):
+    with pytest.raises(ValueError, match="fixed64"):
         tlb.sparse_mla_bwd_tilelang(q, kv, ids, out, lse, dout, dlse, 0.1, accumulator="fixed16")

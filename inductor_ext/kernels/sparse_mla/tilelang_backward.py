@@ -28,10 +28,6 @@ The ``[S, D]`` accumulator (launch modes, :data:`MODES`):
   accumulator (fixed point of :func:`~.backward.fixed_point_scale`); the second rounds each
   contribution at its row's scale (ties to even) and adds a thread's two adjacent columns as one
   64-bit integer ``hi · 2^32 + lo`` (``_PAIR_ADD``), half the atomics of one per element;
-- ``fixed32x2_split`` (deterministic, a candidate beside ``fixed32x2``): the same fields, bounds and
-  results; the first launch (``bound_dq``) also accumulates dq, so the second (``dk32x2``) holds no
-  dq registers: it releases each gather buffer after ``sᵀ`` / ``dpᵀ``, issues a consumer's two dk
-  pieces at once and rounds and adds the first while the second's MMAs run;
 - ``fixed64`` (deterministic, one launch): int64 fixed point with one scale for the tensor (every
   partial sum below 2^60), one 64-bit integer atomic per element;
 - ``float32`` (``deterministic=False``): FP32 atomics, two columns per instruction (order-dependent
@@ -57,42 +53,25 @@ __all__ = ["supports", "sparse_mla_bwd_tilelang", "HEADS_PER_CTA", "BLOCK", "MOD
 
 PIECE = 128  # columns per shared buffer and per dk piece
 
-# mode: (accumulator dtype, dq here, dk here, row bounds here); the last two are the split pair
-_MODES = {
-    "fixed64": ("int64", True, True, False),
-    "fixed32x2": ("int32", True, True, False),
-    "float32": ("float32", True, True, False),
-    "bound": ("int64", False, False, True),
-    "bound_dq": ("int64", True, False, True),
-    "dk32x2": ("int32", False, True, False),
-}
-MODES = tuple(_MODES)
-ACCUMULATORS = ("fixed32x2", "fixed64", "fixed32x2_split")  # deterministic=True's choices
+MODES = ("fixed64", "fixed32x2", "float32", "bound")
+ACCUMULATORS = ("fixed32x2", "fixed64")  # deterministic=True's choices
 
 # Two adjacent int32 fields added as one 64-bit integer: hi · 2^32 + lo (lo sign-extended). The low
 # field's carries land in the high one; each field's sum stays inside int32, so the word's low 32
 # bits are the low field's sum and (word - lo) >> 32 the high field's (``_unpack_pairs``).
-# ``FixedAddx2`` rounds two adjacent FP32 values at the row's two scale factors first (ties to even,
-# as ``T.round`` then the int32 cast), so no int32 copy of the piece is staged in registers.
 _PAIR_ADD = """
 __device__ __forceinline__ void AtomicAddx2(int *ref, const int *val, int memory_order = 0) {
   long long w = (static_cast<long long>(val[1]) << 32) + static_cast<long long>(val[0]);
   atomicAdd(reinterpret_cast<unsigned long long *>(ref), static_cast<unsigned long long>(w));
-}
-__device__ __forceinline__ void FixedAddx2(int *ref, const float *val, float s0, float s1) {
-  long long lo = __float2int_rn(val[0] * s0 * s1);
-  long long hi = __float2int_rn(val[1] * s0 * s1);
-  atomicAdd(reinterpret_cast<unsigned long long *>(ref), static_cast<unsigned long long>((hi << 32) + lo));
 }
 """
 
 
 @functools.cache
 def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bool = False):
-    """The launch for ``mode`` (:data:`_MODES`): ``fixed64`` / ``fixed32x2`` / ``float32`` accumulate
-    dq and dkv; ``bound`` only adds each listed slot's bound into ``Acc[:, 0]``; the split pair
-    ``bound_dq`` (the bounds and dq) then ``dk32x2`` (dkv only, its two pieces in flight at once).
-    ``strided``: Q's and dO's query and head strides are kernel arguments (else both contiguous)."""
+    """The launch for ``mode``: ``fixed64`` / ``fixed32x2`` / ``float32`` accumulate dq and dkv
+    (module doc), ``bound`` only adds each listed slot's bound into ``Acc[:, 0]``. ``strided``: Q's
+    and dO's query and head strides are kernel arguments (else both contiguous)."""
     import tilelang.language as T
 
     HB, BI, DP = HEADS_PER_CTA, BLOCK, PIECE
@@ -102,9 +81,9 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
     NHG = H // HB
     sl2 = scale * 1.4426950408889634
     bf16, f32 = "bfloat16", "float32"
-    acc_dtype, has_dq, has_dk, has_bound = _MODES[mode]
-    split_dk = mode == "dk32x2"  # dk pieces pipelined, rounded and added without staging
-    acc_width = D if has_dk else 1
+    grads = mode != "bound"
+    acc_dtype = {"fixed64": "int64", "float32": "float32", "fixed32x2": "int32", "bound": "int64"}[mode]
+    acc_width = 1 if mode == "bound" else D
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
     n_max, n_scales, n_dq = T.dynamic("TM"), T.dynamic("NS"), T.dynamic("TQ")
 
@@ -122,13 +101,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
     @T.macro
     def add_piece(c, acc_k, acc_x, par, col0):
         """acc[ids, col0 : col0 + DP] += acc_k at the block's valid rows."""
-        if split_dk:  # each thread's column pairs rounded and added in one step (no int32 staging)
-            for i, j in T.Parallel(BI, DP // 2):
-                row = c.ids_sh[par * BI + i]
-                if row >= 0:
-                    T.call_extern("handle", "FixedAddx2", T.access_ptr(c.Acc[row, col0 + 2 * j], "rw"),
-                                  T.access_ptr(acc_k[i, 2 * j], "r"), c.Scales[row, 0], c.Scales[row, 1])
-        elif acc_dtype == "int32":  # int32 fields; each thread's column pairs go as one 64-bit add
+        if mode == "fixed32x2":  # int32 fields; each thread's column pairs go as one 64-bit add
             for i, j in T.Parallel(BI, DP):
                 acc_x[i, j] = T.Cast("int32", fixed(acc_k[i, j], c, T.max(c.ids_sh[par * BI + i], 0)))
             for i, j in T.Parallel(BI, DP // 2):
@@ -139,37 +112,24 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
             for i, j in T.Parallel(BI, DP):
                 row = c.ids_sh[par * BI + i]
                 if row >= 0:
-                    if acc_dtype == "int64":
+                    if mode == "fixed64":
                         T.atomic_add(c.Acc[row, col0 + j], T.Cast("int64", fixed(acc_k[i, j], c, 0)))
                     else:
                         T.atomic_add(c.Acc[row, col0 + j], acc_k[i, j])
 
     @T.macro
-    def dq_pieces(c, acc_dq, first):
-        """Issue this consumer's dq MMAs (``dq[:, half] += ds · k[:, half]``); the caller waits."""
+    def dq_and_dk(c, acc_dq, acc_k, acc_x, first, par):
+        """This consumer's dq pieces, the gather buffer's release, then its dk pieces."""
         for u in halves:
             T.wgmma_gemm(c.ds_sh, c.kv_s[first + u], acc_dq[u], transpose_A=True)
-
-    @T.macro
-    def dk_pieces(c, acc_k, acc_x, first, par):
-        """This consumer's dk pieces ``dsᵀ · q + pᵀ · dO``, each added into the accumulator: one at a
-        time through one fragment, or (``dk32x2``) all issued at once, each added once its MMAs end,
-        the probabilities released (``pds_empty``) before the last piece's atomics."""
-        if split_dk:
-            for u in halves:
-                T.wgmma_gemm(c.ds_sh, c.q_s[first + u], acc_k[u], clear_accum=True)
-                T.wgmma_gemm(c.p_sh, c.do_s[first + u], acc_k[u])
-            for u in halves:
-                T.wait_wgmma(2 * (HALF - 1 - u))
-                if u == HALF - 1:
-                    T.barrier_arrive(c.pds_empty[0])
-                add_piece(c, acc_k[u], acc_x, par, (first + u) * DP)
-        else:
-            for u in halves:
-                T.wgmma_gemm(c.ds_sh, c.q_s[first + u], acc_k[0], clear_accum=True)
-                T.wgmma_gemm(c.p_sh, c.do_s[first + u], acc_k[0])
-                T.wait_wgmma(0)
-                add_piece(c, acc_k[0], acc_x, par, (first + u) * DP)
+        T.wait_wgmma(0)
+        T.barrier_arrive(c.empty[0])
+        for u in halves:
+            T.wgmma_gemm(c.ds_sh, c.q_s[first + u], acc_k, clear_accum=True)
+            T.wgmma_gemm(c.p_sh, c.do_s[first + u], acc_k)
+            T.wait_wgmma(0)
+            add_piece(c, acc_k, acc_x, par, (first + u) * DP)
+        T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
     def add_bounds(c, acc_t, par):
@@ -183,6 +143,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
             row = c.ids_sh[par * BI + lt]
             if row >= 0:
                 T.atomic_add(c.Acc[row, 0], T.Cast("int64", T.ceil(c.bound_sh[lt] * c.Scales[0, 0] * c.Scales[0, 1])))
+        T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
     def probabilities(c, j, acc_t, acc_dq, acc_k, acc_x):
@@ -192,24 +153,19 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
         for u in pieces:
             T.wgmma_gemm(c.kv_s[u], c.q_s[u], acc_t, transpose_B=True)
         T.wait_wgmma(0)
-        if not has_dq:
+        if not grads:
             T.barrier_arrive(c.empty[0])
         T.barrier_wait(c.pds_empty[0], (j & 1) ^ 1)
         for i, h in T.Parallel(BI, HB):
             acc_t[i, h] = T.exp2(acc_t[i, h] * sl2 - c.lse_sh[h])
         T.copy(acc_t, c.pf_sh)
-        if has_dk:
+        if grads:
             T.copy(acc_t, c.p_sh)
         T.barrier_arrive(c.p_full[0])
-        if has_dq or has_dk:
+        if grads:
             T.barrier_wait(c.ds_full[0], j & 1)
-        if has_dq:
-            dq_pieces(c, acc_dq, 0)
-            T.wait_wgmma(0)
-            T.barrier_arrive(c.empty[0])
-        if has_dk:
-            dk_pieces(c, acc_k, acc_x, 0, j & 1)
-        if not split_dk:
+            dq_and_dk(c, acc_dq, acc_k, acc_x, 0, j & 1)
+        else:
             T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
@@ -218,25 +174,17 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
         for u in pieces:
             T.wgmma_gemm(c.kv_s[u], c.do_s[u], acc_t, transpose_B=True, clear_accum=u == 0)
         T.wait_wgmma(0)
-        if not has_dq:
+        if not grads:
             T.barrier_arrive(c.empty[0])
         T.barrier_wait(c.p_full[0], j & 1)
         for i, h in T.Parallel(BI, HB):
             acc_t[i, h] = c.pf_sh[i, h] * (acc_t[i, h] - c.delta_sh[h]) * scale
-        if has_dq or has_dk:
+        if grads:
             T.copy(acc_t, c.ds_sh)
             T.barrier_arrive(c.ds_full[0])
-        if has_dq:
-            dq_pieces(c, acc_dq, HALF)  # in flight while the bounds are summed
-        if has_bound:
+            dq_and_dk(c, acc_dq, acc_k, acc_x, HALF, j & 1)
+        else:
             add_bounds(c, acc_t, j & 1)
-        if has_dq:
-            T.wait_wgmma(0)
-            T.barrier_arrive(c.empty[0])
-        if has_dk:
-            dk_pieces(c, acc_k, acc_x, HALF, j & 1)
-        if not split_dk:
-            T.barrier_arrive(c.pds_empty[0])
 
     @T.macro
     def write_dq(c, acc_dq, first):
@@ -295,9 +243,8 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
             # each consumer its own fragments: with one fragment written in both branches TileLang
             # 0.1.15 dropped consumer 1's element-wise loop and atomics from the generated code
             acc_t = [T.alloc_fragment([BI, HB], f32) for _ in range(2)]
-            acc_dq = [[T.alloc_fragment([HB, DP], f32) for _ in range(HALF if has_dq else 0)] for _ in range(2)]
-            acc_k = [[T.alloc_fragment([BI, DP], f32) for _ in range((HALF if split_dk else 1) if has_dk else 0)]
-                     for _ in range(2)]
+            acc_dq = [[T.alloc_fragment([HB, DP], f32) for _ in range(HALF if grads else 0)] for _ in range(2)]
+            acc_k = [T.alloc_fragment([BI, DP], f32) if grads else None for _ in range(2)]
             acc_x = [T.alloc_fragment([BI, DP], "int32") if mode == "fixed32x2" else None for _ in range(2)]
             bound_f = T.alloc_fragment([BI], f32)
             row_id = T.alloc_local([BI // 16], ids_dtype)
@@ -325,7 +272,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
             if tx < HB:
                 lse_sh[tx] = Lse[t, h0 + tx] * 1.4426950408889634
                 delta_sh[tx] = Delta[t, h0 + tx]
-                if has_bound:
+                if not grads:
                     qmax_sh[tx] = Maxima[t, h0 + tx, 0]
                     gmax_sh[tx] = Maxima[t, h0 + tx, 1]
             m.row_span(span, lo_hi, Ids, t, tx)
@@ -346,18 +293,18 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
                 T.set_max_nreg(232, 1)
                 T.barrier_wait(bar_q[0], 0)
                 if tx < 128:
-                    for u in halves if has_dq else ():
+                    for u in halves if grads else ():
                         T.fill(acc_dq[0][u], 0)
                     for n in T.serial(n_lo, n_hi):
                         probabilities(c, n - n_lo, acc_t[0], acc_dq[0], acc_k[0], acc_x[0])
-                    if has_dq:
+                    if grads:
                         write_dq(c, acc_dq[0], 0)
                 else:
-                    for u in halves if has_dq else ():
+                    for u in halves if grads else ():
                         T.fill(acc_dq[1][u], 0)
                     for n in T.serial(n_lo, n_hi):
                         score_grads(c, n - n_lo, acc_t[1], acc_dq[1], acc_k[1], acc_x[1])
-                    if has_dq:
+                    if grads:
                         write_dq(c, acc_dq[1], HALF)
             else:
                 T.set_max_nreg(40, 0)
@@ -380,12 +327,10 @@ def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, de
     """``(dq [T, H, D] bf16, dkv [S, D] bf16)`` of ``glm53::sparse_mla`` (module doc; :func:`supports`).
 
     ``deterministic``: ``accumulator`` (:data:`ACCUMULATORS`) ``"fixed32x2"`` (a ``bound`` launch,
-    then int32 fields with a scale per latent row, two per int64 word), ``"fixed32x2_split"`` (the
-    same fields; the first launch also computes dq, the second only dkv) or ``"fixed64"`` (one
-    scale); else FP32 atomics. The deterministic choices give the same dq; both ``fixed32x2`` forms
-    the same dkv. Non-contiguous ``q`` / ``dout`` that the 16-byte copies can read (the absorbed
-    layer's head-major ones) are read in place (:func:`~.tilelang_common.row_major_inputs`), others
-    copied first: the same bits either way."""
+    then int32 fields with a scale per latent row, two per int64 word) or ``"fixed64"`` (one
+    scale); else FP32 atomics. Non-contiguous ``q`` / ``dout`` that the 16-byte copies can read
+    (the absorbed layer's head-major ones) are read in place
+    (:func:`~.tilelang_common.row_major_inputs`), others copied first: the same bits either way."""
     from inductor_ext.kernels.sparse_mla.backward import _absmax, fixed_point_scale, row_scales, softmax_delta
 
     (q, dout), strided_in = row_major_inputs(q, dout)
@@ -417,10 +362,8 @@ def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, de
     if mode == "fixed64":
         acc = launch(mode, maxima, fx[None], torch.zeros((S, D), dtype=torch.int64, device=dev), dq)
         return dq, (acc.double() * inv.double().prod()).to(kv.dtype)
-    split = mode == "fixed32x2_split"
-    bound = launch("bound_dq" if split else "bound", torch.stack((qmax, gmax), -1), fx[None],
-                   torch.zeros((S, 1), dtype=torch.int64, device=dev), dq if split else dq[:1])
+    bound = launch("bound", torch.stack((qmax, gmax), -1), fx[None],
+                   torch.zeros((S, 1), dtype=torch.int64, device=dev), dq[:1])
     rowfx, rowinv = row_scales(bound[:, 0], inv)
-    fields = launch("dk32x2" if split else mode, maxima, rowfx, torch.zeros((S, D), dtype=torch.int32, device=dev),
-                    dq[:1] if split else dq)
+    fields = launch(mode, maxima, rowfx, torch.zeros((S, D), dtype=torch.int32, device=dev), dq)
     return dq, (_unpack_pairs(fields.view(torch.int64)).double() * rowinv.double().prod(-1, keepdim=True)).to(kv.dtype)
