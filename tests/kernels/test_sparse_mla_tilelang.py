@@ -2,10 +2,11 @@
 
 CPU: which geometries the TileLang kernels take (one ``supports`` for forward and backward), which
 inputs they read in place (``row_major_inputs``) and how the op routes both (TileLang where
-supported and installed, else Triton, the missing extra logged once). ``cuda``: the kernel against the independent FP64 reference (out within 2x the BF16 floor,
-lse within 1e-5) at awkward cases, a head-major q read in place (bitwise the contiguous q's
-result), the op routed to it (bitwise the direct call), the Triton forward beside
-it, and CUDA-graph capture; these skip unless an sm_90 GPU and tilelang are present.
+supported and installed, else Triton, the missing extra logged once). ``cuda``: the kernel against
+the independent FP64 reference (out within 2x the BF16 floor, lse within 1e-5) at awkward cases, a
+head-major q read in place (bitwise the contiguous q's result), the op routed to it (bitwise the
+direct call), the Triton forward beside it, and CUDA-graph capture; these skip unless an sm_90 GPU
+and tilelang are present.
 """
 
 import importlib

@@ -47,7 +47,16 @@ import types
 
 import torch
 
-from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, row_major_inputs, supports
+from .tilelang_common import (
+    BLOCK,
+    HEADS_PER_CTA,
+    THREADS,
+    compile_kernel,
+    macros,
+    row_major_inputs,
+    rows_tensor,
+    supports,
+)
 
 __all__ = ["supports", "sparse_mla_bwd_tilelang", "HEADS_PER_CTA", "BLOCK", "MODES", "ACCUMULATORS"]
 
@@ -68,7 +77,7 @@ __device__ __forceinline__ void AtomicAddx2(int *ref, const int *val, int memory
 
 
 @functools.cache
-def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bool = False):
+def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bool):
     """The launch for ``mode``: ``fixed64`` / ``fixed32x2`` / ``float32`` accumulate dq and dkv
     (module doc), ``bound`` only adds each listed slot's bound into ``Acc[:, 0]``. ``strided``: Q's
     and dO's query and head strides are kernel arguments (else both contiguous)."""
@@ -86,13 +95,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, mode: str, strided: bo
     acc_width = 1 if mode == "bound" else D
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
     n_max, n_scales, n_dq = T.dynamic("TM"), T.dynamic("NS"), T.dynamic("TQ")
-
-    def rows_type(name):  # a [T, H, D] operand the producer copies in by 16-byte cp.async
-        if strided:
-            return T.StridedTensor([n_rows, H, D], [T.dynamic(f"{name}_t"), T.dynamic(f"{name}_h"), 1], bf16)
-        return T.Tensor([n_rows, H, D], bf16)
-
-    q_type, do_type = rows_type("q"), rows_type("do")
+    q_type, do_type = (rows_tensor(T, n_rows, H, D, strided, name) for name in ("q", "do"))
     m = macros(T, width, n_keys)
 
     def fixed(x, c, k):  # x scaled by the two factors of scale row k, rounded (ties to even)
@@ -333,6 +336,8 @@ def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, de
     (:func:`~.tilelang_common.row_major_inputs`), others copied first: the same bits either way."""
     from inductor_ext.kernels.sparse_mla.backward import _absmax, fixed_point_scale, row_scales, softmax_delta
 
+    if accumulator not in ACCUMULATORS:
+        raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got {accumulator!r}")
     (q, dout), strided_in = row_major_inputs(q, dout)
     kv, token_ids = kv.contiguous(), token_ids.contiguous()
     T_, H, D = q.shape
@@ -340,8 +345,6 @@ def sparse_mla_bwd_tilelang(q, kv, token_ids, out, lse, dout, dlse, scale, *, de
     dev = kv.device
     if T_ == 0:
         return torch.zeros_like(q), torch.zeros_like(kv)
-    if accumulator not in ACCUMULATORS:
-        raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got {accumulator!r}")
     mode = accumulator if deterministic else "float32"
     ids_dtype = "int32" if token_ids.dtype == torch.int32 else "int64"
     delta = softmax_delta(out, dout, dlse)

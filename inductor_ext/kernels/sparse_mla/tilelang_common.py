@@ -10,7 +10,8 @@ import types
 
 import torch
 
-__all__ = ["supports", "compile_kernel", "macros", "row_major_inputs", "HEADS_PER_CTA", "BLOCK", "THREADS"]
+__all__ = ["supports", "compile_kernel", "macros", "row_major_inputs", "rows_tensor", "HEADS_PER_CTA", "BLOCK",
+           "THREADS"]
 
 HEADS_PER_CTA = 64
 BLOCK = 64  # listed ids per gathered block
@@ -40,6 +41,16 @@ def row_major_inputs(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], bool]
     if not all(x.is_contiguous() for x in xs) and all(readable(x) for x in xs):
         return xs, True
     return tuple(x.contiguous() for x in xs), False
+
+
+def rows_tensor(T, n_rows, H: int, D: int, strided: bool, name: str):
+    """The kernel parameter type of a ``[T, H, D]`` BF16 operand that the producer copies in by
+    16-byte ``cp.async`` (``T``: ``tilelang.language``; ``n_rows``: the kernel's symbolic T):
+    contiguous, or with ``strided`` its query and head strides as the symbolic arguments
+    ``{name}_t`` / ``{name}_h`` (see :func:`row_major_inputs`)."""
+    if strided:
+        return T.StridedTensor([n_rows, H, D], [T.dynamic(f"{name}_t"), T.dynamic(f"{name}_h"), 1], "bfloat16")
+    return T.Tensor([n_rows, H, D], "bfloat16")
 
 
 def compile_kernel(main, **kwargs):

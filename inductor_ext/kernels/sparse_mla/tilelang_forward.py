@@ -41,13 +41,22 @@ import types
 
 import torch
 
-from .tilelang_common import BLOCK, HEADS_PER_CTA, THREADS, compile_kernel, macros, row_major_inputs, supports
+from .tilelang_common import (
+    BLOCK,
+    HEADS_PER_CTA,
+    THREADS,
+    compile_kernel,
+    macros,
+    row_major_inputs,
+    rows_tensor,
+    supports,
+)
 
 __all__ = ["supports", "sparse_mla_fwd_tilelang", "HEADS_PER_CTA", "BLOCK"]
 
 
 @functools.cache
-def _kernel(H: int, D: int, scale: float, ids_dtype: str, strided: bool = False):
+def _kernel(H: int, D: int, scale: float, ids_dtype: str, strided: bool):
     """The forward for the geometry; ``strided``: Q's query and head strides are kernel arguments
     (else Q is contiguous)."""
     import tilelang.language as T
@@ -57,8 +66,7 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, strided: bool = False)
     sl2 = scale * 1.4426950408889634
     bf16, f32 = "bfloat16", "float32"
     n_rows, n_keys, width = T.dynamic("T"), T.dynamic("S"), T.dynamic("W")
-    q_type = (T.StridedTensor([n_rows, H, D], [T.dynamic("q_t"), T.dynamic("q_h"), 1], bf16) if strided
-              else T.Tensor([n_rows, H, D], bf16))
+    q_type = rows_tensor(T, n_rows, H, D, strided, "q")
     m = macros(T, width, n_keys)
 
     @T.macro
