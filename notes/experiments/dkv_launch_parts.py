@@ -9,7 +9,6 @@ Run from the repository root on an H200 with tilelang 0.1.15 importable:
 """
 import importlib
 import multiprocessing as mp
-import os
 import pathlib
 import sys
 import time
@@ -80,5 +79,4 @@ def main():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

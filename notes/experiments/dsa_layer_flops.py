@@ -23,9 +23,8 @@ class ByDtype(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        pkt = func._overloadpacket
-        self.ops[str(pkt)] += 1
-        name = str(pkt)
+        name = str(func._overloadpacket)
+        self.ops[name] += 1
         ts = [x for x in args if isinstance(x, torch.Tensor)]
         f = 0
         if name == "aten.mm":
