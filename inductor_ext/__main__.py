@@ -103,8 +103,9 @@ def _run(argv) -> int:
     mis.add_argument("--prompt-len", type=int, default=16)
     mis.add_argument("--new-tokens", type=int, default=32, help="response tokens per sequence (default 32)")
     mis.add_argument("--entropy", type=float, default=2.0, help="calibration target, nats (default 2.0)")
-    mis.add_argument("--compile", choices=("aot_eager", "inductor", "eager", "none"), default="aot_eager",
-                     help="torch.compile backend of the training model (default aot_eager; none = eager)")
+    mis.add_argument("--compile", choices=("aot_eager", "inductor", "eager", "none"), default="inductor",
+                     help="torch.compile backend of the training model (default inductor, with the plugin "
+                          "enabled; none = eager)")
     mis.add_argument("--arms", nargs="+", help="subset of arms (default: reference, every path, serving_aligned)")
     mis.add_argument("--preset", choices=("tiny", "h200_stack"), default="tiny",
                      help="model: tiny (CPU, default) or h200_stack (3 KDA + 1 DSA at h200 widths, 32 experts; CUDA)")

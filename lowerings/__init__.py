@@ -32,12 +32,14 @@ def decompositions() -> dict:
 
 def register_all() -> None:
     """Register every decomposition in Inductor's table and the lowering of their rounding point
-    ``glm53::round_to``, and keep reductions of one FP8 QDQ group (128 elements) persistent
-    (:func:`lowerings._compat.install_persistent_reductions`); idempotent."""
+    ``glm53::round_to``, keep reductions of one FP8 QDQ group (128 elements) persistent
+    (:func:`lowerings._compat.install_persistent_reductions`) and make Inductor keep the eager
+    graph's rounding points (:data:`lowerings._compat.EAGER_NUMERICS`); idempotent."""
     import torch
 
     from inductor_ext.ops.fp8_qdq import GROUP
     from lowerings._compat import (
+        install_eager_numerics,
         install_persistent_reductions,
         register_inductor_decomposition,
         register_rounding_lowering,
@@ -47,3 +49,4 @@ def register_all() -> None:
     for op, fn in decompositions().items():
         register_inductor_decomposition(op, fn)
     install_persistent_reductions(GROUP)
+    install_eager_numerics()

@@ -31,6 +31,8 @@ __all__ = [
     "cudagraph_trees_recorded",
     "inductor_config",
     "inductor_decomposition",
+    "EAGER_NUMERICS",
+    "install_eager_numerics",
     "install_persistent_reductions",
     "lowering_batch_invariant_graph",
     "register_inductor_decomposition",
@@ -84,6 +86,34 @@ def register_rounding_lowering(op: torch._ops.OpOverload) -> None:
 
 
 _log = logging.getLogger(__name__)
+
+
+EAGER_NUMERICS = {
+    # keep every fp32 -> bf16/fp16 -> fp32 round trip of the graph inside fused kernels (Inductor
+    # drops them by default); also turns off Triton's FMA contraction (enable_fp_fusion) and makes
+    # Triton use the CUDA toolkit's libdevice, as ATen's kernels do
+    "emulate_precision_casts": True,
+    # FP32 x / y as IEEE division (Triton: div_rn; its default is the approximate div.full)
+    "eager_numerics.division_rounding": True,
+    # no flush of FP32 denormals to zero in Triton kernels (ATen's CUDA kernels keep them)
+    "eager_numerics.disable_ftz": True,
+    # the C++ backend compiles with -ffp-contract=off: no multiply-add contracted into an FMA
+    "cpp.enable_floating_point_contract_flag": "off",
+}
+"""Inductor settings under which a fused kernel rounds where the eager graph rounds (``enable()``
+installs them; each is an Inductor config entry, so part of every FX-graph cache key: a changed
+setting recompiles). ``docs/DESIGN.md`` §10 states what they guarantee and what they cost."""
+
+
+def install_eager_numerics() -> None:
+    """Set :data:`EAGER_NUMERICS` in ``torch._inductor.config``, for every graph Inductor compiles
+    from now on in this process (idempotent)."""
+    for dotted, value in EAGER_NUMERICS.items():
+        owner, _, name = dotted.rpartition(".")
+        target = inductor_config
+        for part in filter(None, owner.split(".")):
+            target = getattr(target, part)
+        setattr(target, name, value)
 
 
 SMALL_REDUCTION_XBLOCK = 8

@@ -13,7 +13,8 @@ Protocol (reduced model from ``graphs/``: ``tiny`` on the CPU, ``h200_stack`` on
    step; on CPU bitwise the logits of a full re-forward of the packed sequences). The serving
    log-probabilities are the ones each sampling step saw.
 3. Teacher-force the same tokens through the compiled training model (``torch.compile``,
-   ``fullgraph=True``; backend ``aot_eager`` by default) under each arm's config, one sequence
+   ``fullgraph=True``; backend ``inductor`` with ``inductor_ext.enable()`` by default, the backend users
+   run) under each arm's config, one sequence
    per call (one compile per arm: every sequence has the same length). Per arm, over all
    response tokens: ``k3 = mean(exp(r) − 1 − r)`` with ``r = log p_train(y) − log p_serve(y)`` of the
    sampled token y (an unbiased estimator of KL(serve ‖ train)), ``mean |r|``, and the max (and mean)
@@ -76,6 +77,7 @@ import pathlib
 
 import torch
 
+import inductor_ext
 from graphs import GLM53Config, GLM53Model
 from graphs.decode import ServingDecoder
 from graphs.serving import SERVING_PRECISION, ServingForward
@@ -106,7 +108,7 @@ class MismatchSettings:
     prompt_len: int = 16
     new_tokens: int = 32
     target_entropy: float = 2.0  # nats, mean next-token entropy of the serving forward on the prompts
-    compile: str = "aot_eager"  # training-model torch.compile backend; "none" = eager
+    compile: str = "inductor"  # training-model torch.compile backend (with the plugin enabled); "none" = eager
     batch_invariant: bool = False  # every config batch_invariant=True, glm53::bi_log_softmax (module doc)
 
     def __post_init__(self) -> None:
@@ -301,6 +303,8 @@ def score(logits_of, serve_logp: torch.Tensor, seqs: torch.Tensor, prompt_len: i
 def _train_forward(model, backend: str):
     if backend == "none":
         return model
+    if backend == "inductor":
+        inductor_ext.enable()  # the plugin as users run it: lowerings and the eager rounding points
     return torch.compile(model, backend=backend, fullgraph=True)
 
 
