@@ -8,13 +8,14 @@ the new streams. Rounding points (:mod:`lowerings._rounding`):
 
 - ``mhc_pre``: the reference (:func:`~inductor_ext.ops.mhc.mhc_pre_reference`) on exact FP32
   inputs; ``mixed`` rounded once to x's dtype, post and comb stay FP32.
-- ``mhc_post`` ``"fp32"``: FP32 from the exact inputs, one rounding.
+- ``mhc_post`` ``"fp32"``: the reference's own elementwise chain
+  (:func:`~inductor_ext.ops.mhc.mhc_post_fp32`) on the exact inputs, one rounding: bitwise eager.
 - ``mhc_post`` ``"bf16"``: transformers' roundings — post and comb to the residual's dtype, the
   product ``post·f``, the stream matmul (FP32 accumulation, one rounding) and the sum.
 
-The 4-term stream sum is written as a product and a reduction over s instead of ``matmul``, so
-Inductor fuses it rather than calling ``bmm``; the reference's BLAS may use FMA and another
-order, so results can differ in the last bit (tests measure it in ULPs). Backward formulas are
+In ``"bf16"`` the 4-term stream sum is written as a product and a reduction over s instead of
+``matmul``, so Inductor fuses it rather than calling ``bmm`` (its products are exact in FP32 and it
+rounds once to BF16: bitwise the reference, measured). Backward formulas are
 plain torch (``register_autograd``) and fuse likewise.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.mhc import mhc_pre_reference
+from inductor_ext.ops.mhc import mhc_post_fp32, mhc_pre_reference
 from lowerings._rounding import exact, round_to, store
 
 __all__ = ["mhc_pre_decomposition", "mhc_post_decomposition", "DECOMPOSITIONS"]
@@ -46,7 +47,7 @@ def mhc_post_decomposition(f, residual, post, comb, precision):
     f, residual, post, comb = exact(f), exact(residual), exact(post), exact(comb)
     with torch.autocast(f.device.type, enabled=False):
         if precision == "fp32":
-            return store(post.unsqueeze(-1) * f.unsqueeze(-2) + _stream_mix(comb, residual), dtype)
+            return store(mhc_post_fp32(f, residual, post, comb), dtype)
         post, comb = round_to(post, dtype), round_to(comb, dtype)  # the reference's .to(dtype)
         scaled = store(post.unsqueeze(-1) * f.unsqueeze(-2), dtype).float()
         mixed = store(_stream_mix(comb, residual), dtype).float()

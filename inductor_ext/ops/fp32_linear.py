@@ -41,12 +41,14 @@ def validate_fp32_linear_inputs(x, weight, bias) -> None:
 
 
 def fp32_linear_reference(x, weight, bias):
-    """Plain-torch kernel (every device): FP32 matmul with autocast off; returns FP32 ``[..., out]``."""
+    """Plain-torch kernel (every device): one FP32 GEMM with autocast off, the bias added by the GEMM
+    (``addmm``, as ``F.linear`` does) rather than by a separate add: Inductor folds ``mm + bias``
+    into ``addmm`` itself, so only this form gives the same bits compiled and eager. Returns FP32
+    ``[..., out]``."""
     with torch.autocast(x.device.type, enabled=False):
-        y = torch.matmul(x.float(), weight.float().t())
-        if bias is not None:
-            y = y + bias.float()
-    return y.contiguous()
+        rows, w = x.float().reshape(-1, x.shape[-1]), weight.float().t()
+        y = torch.mm(rows, w) if bias is None else torch.addmm(bias.float(), rows, w)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 _T = torch.Tensor

@@ -41,7 +41,7 @@ from inductor_ext.config import MHC_POST_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
 from inductor_ext.ops.ordered import ordered_softmax, ordered_sum, positionwise
 
-__all__ = ["mhc_pre", "mhc_post", "PRECISIONS", "mhc_pre_reference", "mhc_post_reference",
+__all__ = ["mhc_pre", "mhc_post", "PRECISIONS", "mhc_pre_reference", "mhc_post_reference", "mhc_post_fp32",
            "validate_mhc_pre_inputs", "validate_mhc_post_inputs", "coefficients_from_projection",
            "coefficient_vjp", "streams_from_width"]
 
@@ -188,9 +188,16 @@ def mhc_post_reference(f, residual, post, comb, precision):
             out = post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2) + torch.matmul(
                 comb.to(dtype).transpose(-1, -2), residual)
         else:
-            out = post.float().unsqueeze(-1) * f.float().unsqueeze(-2) + torch.matmul(
-                comb.float().transpose(-1, -2), residual.float())
+            out = mhc_post_fp32(f.float(), residual.float(), post.float(), comb.float())
     return out.to(dtype).contiguous()
+
+
+def mhc_post_fp32(f, residual, post, comb):
+    """FP32 ``post[o]·f + Σ_s comb[s,o]·residual[s]``, the stream sum a chain of elementwise adds in
+    stream order: eager and Inductor (no FMA contraction under
+    ``enable()``) run the same roundings, where a BLAS ``matmul`` picks its own order and FMAs."""
+    terms = [comb[..., s, :].unsqueeze(-1) * residual[..., s, :].unsqueeze(-2) for s in range(residual.shape[-2])]
+    return post.unsqueeze(-1) * f.unsqueeze(-2) + functools.reduce(torch.add, terms)
 
 
 def _mhc_post_backward(f, residual, post, comb, precision, dout):
