@@ -9,13 +9,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from inductor_ext import validation as v
+
 __all__ = ["GLM53Config", "ATTN_IMPLS"]
 
 ATTN_IMPLS = ("eager", "flex")  # sparse attention: dense masked math (CPU path) | FlexAttention block mask
 _LAYER_TYPES = ("linear_attention", "indexed_attention")
 _MLP_TYPES = ("dense", "sparse")
 _INDEXER_TYPES = ("full", "shared")
-_INDEXER_HEADS = (32, 64, 128)  # MQA scorer row blocks (inductor_ext.workspace.mqa_row_block)
+_INDEXER_HEADS = (32, 64, 128)  # MQA scorer row blocks (inductor_ext.workspace.SUPPORTED_HEADS)
+_INDEX_HEAD_DIM = 128  # inductor_ext.ops.kpool_reference.HEAD_DIM
+_KDA_MAX_HEAD_DIM = 256  # inductor_ext.ops.kda_reference.MAX_HEAD_DIM (kda_chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,34 +72,25 @@ class GLM53Config:
     attn_impl: str = "eager"
 
     def __post_init__(self) -> None:
+        v.check_fields(self, "GLM53Config.", _RULES)
         for name in ("layer_types", "mlp_layer_types", "indexer_types"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
             if len(getattr(self, name)) != self.num_hidden_layers:
                 raise ValueError(f"GLM53Config.{name} must have num_hidden_layers={self.num_hidden_layers} "
                                  f"entries, got {len(getattr(self, name))}")
-        for name, allowed in (("layer_types", _LAYER_TYPES), ("mlp_layer_types", _MLP_TYPES),
-                              ("indexer_types", _INDEXER_TYPES)):
-            bad = [v for v in getattr(self, name) if v not in allowed]
-            if bad:
-                raise ValueError(f"GLM53Config.{name} entries must be in {allowed}, got {bad}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"GLM53Config.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
-        if self.index_head_dim != 128:
-            raise ValueError(f"GLM53Config.index_head_dim must be 128 (KPool indexer), got {self.index_head_dim}")
-        if self.index_n_heads not in _INDEXER_HEADS:
-            raise ValueError(f"GLM53Config.index_n_heads must be one of {_INDEXER_HEADS}, got {self.index_n_heads}")
-        if self.index_kpool < 1 or self.index_topk % self.index_kpool:
-            raise ValueError(f"GLM53Config.index_topk ({self.index_topk}) must be a positive multiple of "
+        # the KPool indexer's own rule (inductor_ext.ops.kpool.check_pool_geometry): pool_size divides topk
+        if self.index_topk % self.index_kpool:
+            raise ValueError(f"GLM53Config.index_topk ({self.index_topk}) must be a multiple of "
                              f"index_kpool ({self.index_kpool})")
+        # the router scores a group by its two best experts: groups of at least 2
         if self.n_routed_experts % self.n_group or self.n_routed_experts // self.n_group < 2:
             raise ValueError(f"GLM53Config.n_routed_experts ({self.n_routed_experts}) must split into n_group "
                              f"({self.n_group}) groups of at least 2 experts")
-        if not 1 <= self.topk_group <= self.n_group:
+        if self.topk_group > self.n_group:
             raise ValueError(f"GLM53Config.topk_group must be in 1..n_group={self.n_group}, got {self.topk_group}")
-        if self.num_experts_per_tok > self.n_routed_experts // self.n_group * self.topk_group:
-            raise ValueError("GLM53Config.num_experts_per_tok must not exceed the experts of topk_group groups")
-        if self.linear_head_dim > 256:
-            raise ValueError(f"GLM53Config.linear_head_dim must be <= 256 (kda_chunk), got {self.linear_head_dim}")
+        reachable = self.n_routed_experts // self.n_group * self.topk_group
+        if self.num_experts_per_tok > reachable:
+            raise ValueError(f"GLM53Config.num_experts_per_tok ({self.num_experts_per_tok}) must not exceed the "
+                             f"experts of topk_group groups ({reachable})")
         for i, (kind, idx) in enumerate(zip(self.layer_types, self.indexer_types)):
             if kind != "indexed_attention" or idx != "shared":
                 continue
@@ -163,3 +158,25 @@ class GLM53Config:
             out[name] = list(out[name])
         out.update(qk_rope_head_dim=0, num_key_value_heads=self.num_attention_heads, head_dim=0, pad_token_id=None)
         return out
+
+
+# every field's rule (inductor_ext.validation); the rules between fields are in __post_init__
+_POS, _BOOL = v.integer(1), v.boolean()
+_RULES = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                     "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "linear_num_heads",
+                     "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters", "index_topk", "index_kpool"), _POS),
+    **dict.fromkeys(("attention_bias", "norm_topk_prob", "index_kpool_always_select_tail", "tie_word_embeddings"),
+                    _BOOL),
+    "n_shared_experts": v.integer(0),  # 0: no shared expert (a zero-width MLP adds 0)
+    "linear_head_dim": v.integer(1, _KDA_MAX_HEAD_DIM),
+    "routed_scaling_factor": v.real(gt=0), "rms_norm_eps": v.real(gt=0), "swiglu_limit": v.real(gt=0),
+    "linear_lower_bound": v.optional(v.real(lt=0)),  # the log-decay g = bound·sigmoid(·) must be < 0
+    "hc_eps": v.real(ge=0),  # mhc_pre's rule: hc_eps >= 0
+    "index_n_heads": v.one_of(_INDEXER_HEADS), "index_head_dim": v.one_of((_INDEX_HEAD_DIM,)),
+    "layer_types": v.sequence(v.one_of(_LAYER_TYPES), min_len=1),
+    "mlp_layer_types": v.sequence(v.one_of(_MLP_TYPES), min_len=1),
+    "indexer_types": v.sequence(v.one_of(_INDEXER_TYPES), min_len=1),
+    "attn_impl": v.one_of(ATTN_IMPLS),
+}

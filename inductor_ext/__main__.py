@@ -13,6 +13,7 @@ from inductor_ext import backends
 from inductor_ext.bench import BENCHES, format_benches, run_benches
 from inductor_ext.bench.invariance import PARTS as INVARIANCE_PARTS
 from inductor_ext.bench.layer import KINDS, PRECISIONS
+from inductor_ext.cli_args import check_output_path, nonempty_path, positive_float, positive_int, seed
 from inductor_ext.parallel import check as cp_check
 from inductor_ext.report import MismatchSettings, default_arms, format_table, run_mismatch, run_report
 from inductor_ext.report.report import write_mismatch
@@ -20,6 +21,12 @@ from inductor_ext.report.report import write_mismatch
 __all__ = ["main"]
 
 _LAYER_OPTIONS = ("kinds", "attn_impl", "precision", "timing_only")  # `bench layer`'s own flags, as argparse names them
+# MismatchSettings field -> its option
+_MISMATCH_OPTIONS = {"seed": "--seed", "num_seqs": "--seqs", "prompt_len": "--prompt-len", "new_tokens": "--new-tokens",
+                     "target_entropy": "--entropy"}
+# what each command writes under --out (checked, with --out itself, before the command starts)
+_ARTIFACTS = {"report": ("report.json", "report.md", "report.png"), "bench": ("bench.json", "bench.md"),
+              "mismatch": ("mismatch.json", "mismatch.md", "mismatch.png")}
 
 
 def _progress():
@@ -67,9 +74,9 @@ def _run(argv) -> int:
     parser = argparse.ArgumentParser(prog="python -m inductor_ext", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="accuracy, compile and (CUDA) timing report")
-    rep.add_argument("--out", type=pathlib.Path, default=pathlib.Path("report_out"))
+    rep.add_argument("--out", type=nonempty_path, default=pathlib.Path("report_out"))
     rep.add_argument("--device", choices=("cpu", "cuda"))
-    rep.add_argument("--tokens", type=int, nargs="+",
+    rep.add_argument("--tokens", type=positive_int, nargs="+",
                      help="token counts of the CUDA timing: KDA at each, the other benches at the first "
                           "(default: KDA at 129 2048 16384, each other bench its own)")
     ben = sub.add_parser("bench", help="CUDA-graph replay timing",
@@ -77,11 +84,11 @@ def _run(argv) -> int:
                              f"{name}: {b.title}" for name, b in BENCHES.items()) + "; all: each in that order. "
                          "Writes bench.json and bench.md under --out after each benchmark (and each layer kind).")
     ben.add_argument("what", choices=(*BENCHES, "all"))
-    ben.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"))
-    ben.add_argument("--tokens", type=int, nargs="+",
+    ben.add_argument("--out", type=nonempty_path, default=pathlib.Path("bench_out"))
+    ben.add_argument("--tokens", type=positive_int, nargs="+",
                      help="KDA at each token count, the other benches at the first (default: KDA at 129 2048 "
                           "16384, each other bench its own)")
-    ben.add_argument("--samples", type=int, help="replays per timing (default: 50; layer 20)")
+    ben.add_argument("--samples", type=positive_int, help="replays per timing (default: 50; layer 20)")
     lay = ben.add_argument_group("bench layer (also under all)")
     lay.add_argument("--kinds", nargs="+", choices=KINDS, help="layer kinds, one after the other (default: kda dsa)")
     lay.add_argument("--attn-impl", choices=("flex", "eager"),
@@ -97,12 +104,13 @@ def _run(argv) -> int:
     cp_check.add_arguments(sub.add_parser(
         "cp-check", help="context parallel on N processes (gloo on CPU, NCCL on GPUs) against one rank"))
     mis = sub.add_parser("mismatch", help="fixed-token train/serve mismatch-KL ablation over PrecisionConfig arms")
-    mis.add_argument("--out", type=pathlib.Path, default=pathlib.Path("mismatch_out"))
-    mis.add_argument("--seed", type=int, default=0)
-    mis.add_argument("--seqs", type=int, default=8, help="sampled sequences (default 8)")
-    mis.add_argument("--prompt-len", type=int, default=16)
-    mis.add_argument("--new-tokens", type=int, default=32, help="response tokens per sequence (default 32)")
-    mis.add_argument("--entropy", type=float, default=2.0, help="calibration target, nats (default 2.0)")
+    mis.add_argument("--out", type=nonempty_path, default=pathlib.Path("mismatch_out"))
+    mis.add_argument("--seed", type=seed, default=0)
+    mis.add_argument("--seqs", type=positive_int, default=8, help="sampled sequences (default 8)")
+    mis.add_argument("--prompt-len", type=positive_int, default=16)
+    mis.add_argument("--new-tokens", type=positive_int, default=32, help="response tokens per sequence (default 32)")
+    mis.add_argument("--entropy", type=positive_float, default=2.0,
+                     help="calibration target, nats, below ln(vocab_size) (default 2.0)")
     mis.add_argument("--compile", choices=("aot_eager", "inductor", "eager", "none"), default="inductor",
                      help="torch.compile backend of the training model (default inductor, with the plugin "
                           "enabled; none = eager)")
@@ -115,6 +123,8 @@ def _run(argv) -> int:
                           "(and mla=absorbed, which it needs; the mla arm then equals reference and is left out), "
                           "the vocabulary log-softmax through glm53::bi_log_softmax")
     args = parser.parse_args(argv)
+    if args.command in _ARTIFACTS:  # cp-check checks its --json in cp_check.run, before it spawns
+        check_output_path(args.out, "--out", files=_ARTIFACTS[args.command])
 
     if args.command == "doctor":
         print(json.dumps(_doctor(), indent=2))
@@ -127,12 +137,16 @@ def _run(argv) -> int:
         if args.arms:
             bad = [a for a in args.arms if a not in arms]
             if bad:
-                raise ValueError(f"unknown arm(s) {bad}; choose from {list(arms)}")
+                raise ValueError(f"--arms: unknown arm(s) {bad}; choose from {list(arms)}")
             arms = {a: arms[a] for a in args.arms}
-        settings = MismatchSettings(preset=args.preset, device=args.device, seed=args.seed, num_seqs=args.seqs,
-                                    prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                    target_entropy=args.entropy, compile=args.compile,
-                                    batch_invariant=args.batch_invariant)
+        try:
+            settings = MismatchSettings(preset=args.preset, device=args.device, seed=args.seed, num_seqs=args.seqs,
+                                        prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                        target_entropy=args.entropy, compile=args.compile,
+                                        batch_invariant=args.batch_invariant)
+        except ValueError as exc:  # name the option of the field too
+            options = [opt for field, opt in _MISMATCH_OPTIONS.items() if field in str(exc)]
+            raise ValueError(f"{exc} ({', '.join(options)})" if options else str(exc)) from None
         result = run_mismatch(settings, arms=arms, progress=progress)
         print(format_table(result))
         print("wrote " + ", ".join(str(p) for p in write_mismatch(result, args.out)))

@@ -15,6 +15,8 @@ import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 
+from inductor_ext import validation as v
+
 __all__ = [
     "CHOICES",
     "KDA_PRECISIONS",
@@ -109,15 +111,7 @@ class PrecisionConfig:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
-        for name, allowed in CHOICES.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"PrecisionConfig.{name} must be one of {allowed}, got {value!r}")
-        budget = self.logits_budget_mb
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            raise ValueError(f"PrecisionConfig.logits_budget_mb must be a positive int, got {budget!r}")
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"PrecisionConfig.batch_invariant must be a bool, got {self.batch_invariant!r}")
+        v.check_fields(self, "PrecisionConfig.", _RULES)
         if self.batch_invariant and self.mla != "absorbed":
             raise ValueError("PrecisionConfig.batch_invariant=True needs mla='absorbed' (the decompressed form's "
                              f"[T, T] mask kernels have no batch-invariant variant), got mla={self.mla!r}")
@@ -192,6 +186,11 @@ class PrecisionConfig:
                 if value != getattr(self, name):
                     out[f"{name}={value}"] = self.replace(**{name: value})
         return out
+
+
+# every field's rule (inductor_ext.validation): the choices, a positive int budget, a bool
+_RULES = {**{name: v.one_of(allowed) for name, allowed in CHOICES.items()},
+          "logits_budget_mb": v.integer(1), "batch_invariant": v.boolean()}
 
 
 class _Active:

@@ -6,8 +6,8 @@ Inductor's table (so the cheap ops fuse), an ``InductorChoices`` that keeps redu
 QDQ group (128 elements) persistent and launches them with a fixed, measured tile
 (:func:`lowerings._compat.install_persistent_reductions`), and a post-grad ``CustomGraphPass`` whose
 ``uuid()`` hashes the package version and the source files that change compiled code (:data:`SALTED`:
-op definitions and kernels, fakes, lowerings, the config, the back-end choice, the workspace plan),
-so Inductor's caches never reuse an artifact compiled by another version of them. Benchmarks,
+op definitions and kernels, fakes, lowerings, the config and its field checks, the back-end choice, the
+workspace plan), so Inductor's caches never reuse an artifact compiled by another version of them. Benchmarks,
 reports, the command line and ``graphs`` are not hashed: traced Python code is part of the graph
 itself, and tooling never reaches compiled code. The precision is a literal in the graph and
 already part of every cache key.
@@ -32,6 +32,7 @@ SALTED = (
     "fake_impls",
     "lowerings",
     "inductor_ext/config.py",
+    "inductor_ext/validation.py",  # the config's field rules (they normalize its values)
     "inductor_ext/plugin.py",
     "inductor_ext/_version.py",
     "inductor_ext/backends.py",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
+from inductor_ext import validation as v
 from inductor_ext.bench import attn, invariance, kda, kpool, layer, moe
 from inductor_ext.bench.kda import DEFAULT_TOKENS
 
@@ -51,6 +52,10 @@ class Benchmark:
     format: Callable[[dict], str] = format_rows
     token_list: bool = False
     samples: int = DEFAULT_SAMPLES
+
+    def __post_init__(self) -> None:
+        v.check_fields(self, "Benchmark.", {"title": v.text(), "run": v.callable_(), "format": v.callable_(),
+                                            "token_list": v.boolean(), "samples": v.integer(1)})
 
 
 BENCHES: dict[str, Benchmark] = {  # name -> benchmark, in the order of `bench all`

@@ -49,8 +49,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import inductor_ext
-from graphs import GLM53Config
+from graphs.config import ATTN_IMPLS, GLM53Config
 from inductor_ext import PrecisionConfig, backends
+from inductor_ext import validation as v
 from inductor_ext.bench import timing
 from inductor_ext.bench.compare import (
     ATOL_RMS,
@@ -94,6 +95,13 @@ class _Setup:
     catch: bool = True  # record a failing variant's error in its row and go on (False: raise)
     timing_only: bool = False  # no eager reference, no sensitivity, no warm compile (a price, not a check)
 
+    def __post_init__(self) -> None:
+        v.check_fields(self, "bench layer: ", {
+            "device": v.one_of(("cuda", "cpu")), "preset": v.one_of(("h200", "tiny")), "backend": v.text(),
+            "mode": v.optional(v.text()), "attn_impl": v.one_of(ATTN_IMPLS), "eager_attn": v.optional(v.one_of(
+                ATTN_IMPLS)), "warmup": v.integer(0), "catch": v.boolean(), "timing_only": v.boolean(),
+            "captures": v.optional(v.sequence(v.one_of(("reduce-overhead", "manual", "none")), min_len=1))})
+
 
 def bench_layer(tokens: int = 8192, kinds=KINDS, samples: int = 20, progress=None, *,
                 attn_impl: str = "flex", precision: str = "serving_aligned",
@@ -128,8 +136,6 @@ def _check_args(tokens, kinds, samples, setup: _Setup, precision: str) -> None:
         raise ValueError(f"bench layer: samples must be an int >= 1, got {samples!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"bench layer: precision must be one of {PRECISIONS}, got {precision!r}")
-    if setup.attn_impl not in ("flex", "eager"):
-        raise ValueError(f"bench layer: attn_impl must be 'flex' or 'eager', got {setup.attn_impl!r}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,26 +56,28 @@ import datetime
 import json
 import math
 import os
-import pathlib
 import socket
 import tempfile
 
 import torch
 
-__all__ = ["add_arguments", "run", "format_table", "fp32_copy"]
+from inductor_ext.cli_args import arg_type, check_output_path, nonempty_path, positive_int
+
+__all__ = ["add_arguments", "run", "format_table", "fp32_copy", "parse_plant", "check_args"]
 
 CONFIGS = ("reference", "serving_aligned")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``cp-check`` options on ``parser`` (for ``inductor_ext.__main__``'s sub-command)."""
-    parser.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
+    parser.add_argument("--ranks", type=positive_int, default=2, help="processes (default 2)")
     parser.add_argument("--layout", choices=("contiguous", "zigzag"), default="zigzag")
     parser.add_argument("--config", choices=CONFIGS, default="reference", help="PrecisionConfig preset")
-    parser.add_argument("--tokens", type=int, default=None,
+    parser.add_argument("--tokens", type=positive_int, default=None,
                         help="global tokens T (default 32·ranks; a multiple of 8·ranks)")
-    parser.add_argument("--json", type=pathlib.Path, default=None, help="also write the result as JSON here")
+    parser.add_argument("--json", type=nonempty_path, default=None, help="also write the result as JSON here")
     parser.add_argument("--plant", action="append", default=[], metavar="NAME:RANK:FACTOR[:WHICH]",
+                        type=arg_type(parse_plant, "plant"),
                         help="self-test: scale rank RANK's partial gradient of parameter NAME by FACTOR before the "
                              "all-reduce, in the BF16 and FP32 CP runs (WHICH: both, bf16 or fp32); the check "
                              "must then fail (repeatable)")
@@ -144,11 +146,20 @@ SIGMAS = 3.0  # the BF16 bound covers 3 standard deviations of the difference of
 
 def parse_plant(text: str) -> tuple:
     """``NAME:RANK:FACTOR[:WHICH]`` → ``(NAME, RANK, FACTOR, WHICH)``; WHICH = ``both`` (default),
-    ``bf16`` or ``fp32``: the CP runs whose partial gradient is scaled."""
+    ``bf16`` or ``fp32``: the CP runs whose partial gradient is scaled. ``ValueError`` naming
+    ``--plant`` unless RANK is an int >= 0 and FACTOR a finite number (:func:`check_args` checks
+    NAME and RANK against the model and ``--ranks``)."""
     parts = text.split(":")
-    if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("both", "bf16", "fp32")):
-        raise ValueError(f"cp-check: --plant must be NAME:RANK:FACTOR[:both|bf16|fp32], got {text!r}")
-    return parts[0], int(parts[1]), float(parts[2]), parts[3] if len(parts) == 4 else "both"
+    rule = "cp-check: --plant must be NAME:RANK:FACTOR[:both|bf16|fp32] (RANK an int >= 0, FACTOR a finite number)"
+    if len(parts) not in (3, 4) or not parts[0] or (len(parts) == 4 and parts[3] not in ("both", "bf16", "fp32")):
+        raise ValueError(f"{rule}, got {text!r}")
+    try:
+        rank, factor = int(parts[1]), float(parts[2])
+    except ValueError:
+        raise ValueError(f"{rule}, got {text!r}") from None
+    if rank < 0 or not math.isfinite(factor):
+        raise ValueError(f"{rule}, got {text!r}")
+    return parts[0], rank, factor, parts[3] if len(parts) == 4 else "both"
 
 
 def _planted(g: torch.Tensor, name: str, rank: int, plants, which: str) -> torch.Tensor:
@@ -377,19 +388,41 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def check_args(args: argparse.Namespace) -> tuple[int, int, tuple]:
+    """Every ``cp-check`` argument, before any process starts: ``(ranks, tokens, plants)``, or
+    ``ValueError`` naming the option (``--plant`` entries may be strings or parsed tuples)."""
+    from graphs import GLM53Config, GLM53Model
+    from inductor_ext import validation as v
+
+    W = v.integer(1)("cp-check: --ranks", args.ranks)
+    T = v.integer(1)("cp-check: --tokens", 32 * W if args.tokens is None else args.tokens)
+    if T % (8 * W):
+        raise ValueError(f"cp-check: --tokens must be a multiple of 8·ranks = {8 * W}, got {T}")
+    if args.layout not in ("contiguous", "zigzag") or args.config not in CONFIGS:
+        raise ValueError(f"cp-check: --layout must be contiguous or zigzag and --config one of {CONFIGS}, "
+                         f"got {args.layout!r}, {args.config!r}")
+    plants = tuple(parse_plant(p) if isinstance(p, str) else p for p in args.plant)
+    if plants:
+        with torch.device("meta"):  # the parameter names only
+            names = {n for n, _ in GLM53Model(GLM53Config.tiny()).named_parameters()}
+        for name, rank, _, _ in plants:
+            if name not in names:
+                raise ValueError(f"cp-check: --plant names no parameter of the tiny model: {name!r} "
+                                 f"(e.g. layers.1.attn_hc.scale)")
+            if rank >= W:
+                raise ValueError(f"cp-check: --plant rank {rank} must be below --ranks {W}")
+    if args.json is not None:
+        check_output_path(args.json, "--json", kind="file")
+    return W, T, plants
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the check for parsed ``cp-check`` arguments; print the table (and write ``--json``)."""
     import torch.multiprocessing as mp
 
-    W = args.ranks
-    if W < 1:
-        raise ValueError(f"cp-check: --ranks must be >= 1, got {W}")
-    T = 32 * W if args.tokens is None else args.tokens
-    if T % (8 * W):
-        raise ValueError(f"cp-check: --tokens must be a multiple of 8·ranks = {8 * W}, got {T}")
+    W, T, plants = check_args(args)
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= W else "gloo"
     with tempfile.TemporaryDirectory() as outdir:
-        plants = tuple(parse_plant(t) for t in args.plant)
         mp.start_processes(_worker, args=(W, _free_port(), backend, args.layout, args.config, T, outdir, plants),
                            nprocs=W, join=True, start_method="spawn")
         result = torch.load(os.path.join(outdir, "result.pt"), weights_only=False)

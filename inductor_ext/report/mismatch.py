@@ -82,6 +82,7 @@ from graphs import GLM53Config, GLM53Model
 from graphs.decode import ServingDecoder
 from graphs.serving import SERVING_PRECISION, ServingForward
 from inductor_ext import ops
+from inductor_ext import validation as v
 from inductor_ext.config import PrecisionConfig, precision
 
 __all__ = ["MismatchSettings", "PRESETS", "BATCH_INVARIANT_OVERRIDES", "path_fields", "default_arms",
@@ -112,21 +113,22 @@ class MismatchSettings:
     batch_invariant: bool = False  # every config batch_invariant=True, glm53::bi_log_softmax (module doc)
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"mismatch: preset must be one of {PRESETS}, got {self.preset!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"mismatch: device must be one of {DEVICES}, got {self.device!r}")
+        v.check_fields(self, "mismatch: ", _SETTINGS_RULES)
         if self.preset == "h200_stack" and self.device != "cuda":
             raise ValueError("mismatch: the h200_stack preset needs --device cuda (a GPU machine); use tiny on CPU")
-        if self.compile not in COMPILE_BACKENDS:
-            raise ValueError(f"mismatch: compile must be one of {COMPILE_BACKENDS}, got {self.compile!r}")
-        for name in ("num_seqs", "prompt_len", "new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"mismatch: {name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.target_entropy:
-            raise ValueError(f"mismatch: target_entropy must be > 0, got {self.target_entropy}")
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"mismatch: batch_invariant must be a bool, got {self.batch_invariant!r}")
+        # an entropy over V tokens is below ln V (uniform): a larger target cannot be calibrated to
+        top = math.log(stack_config().vocab_size if self.preset == "h200_stack" else GLM53Config.tiny().vocab_size)
+        if not self.target_entropy < top:
+            raise ValueError(f"mismatch: target_entropy must be < ln(vocab_size) = {top:.4g} nats for the "
+                             f"{self.preset} preset, got {self.target_entropy}")
+
+
+# every MismatchSettings field's rule (inductor_ext.validation); the seed: non-negative, seed + 2 (the
+# rollout's generator) inside torch.manual_seed's range
+_SETTINGS_RULES = {"preset": v.one_of(PRESETS), "device": v.one_of(DEVICES), "seed": v.integer(0, 2**64 - 3),
+                   "num_seqs": v.integer(1), "prompt_len": v.integer(1), "new_tokens": v.integer(1),
+                   "target_entropy": v.real(gt=0), "compile": v.one_of(COMPILE_BACKENDS),
+                   "batch_invariant": v.boolean()}
 
 
 def path_fields() -> tuple[str, ...]:
