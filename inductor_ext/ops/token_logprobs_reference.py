@@ -124,8 +124,9 @@ def raw_logits(hidden: torch.Tensor, w_chunk: torch.Tensor, batch_invariant: boo
 
 
 def _scaled(raw: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The cast, then the temperature: ``raw.float() / τ`` in FP32 (a fresh FP32 tensor)."""
-    z = raw.float()  # FP32 raw: the matmul's own fresh output, changed in place below
+    """The cast, then the temperature: ``raw.float() / τ`` in FP32 (``raw``, the matmul's fresh
+    output, is divided in place when it is FP32 already; the callers change the result in place)."""
+    z = raw.float()
     return z.div_(temperature) if temperature != 1.0 else z
 
 
