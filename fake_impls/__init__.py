@@ -21,12 +21,13 @@ from fake_impls import (
     round_to,
     sparse_mla,
     swiglu,
+    token_logprobs,
 )
 
 __all__ = ["FAMILIES", "register_all"]
 
 FAMILIES = (batch_invariant, fp32_linear, fp8_qdq, kda, kpool, layer_norm_fp32, mhc, mhc_batch_invariant, round_to,
-            sparse_mla, swiglu)
+            sparse_mla, swiglu, token_logprobs)
 _registered: set[str] = set()
 
 

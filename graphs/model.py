@@ -58,6 +58,13 @@ def check_cp(num_tokens: int, cu_seqlens: torch.Tensor | None, cp: CPContext | N
                          f"global batch), got {num_tokens}")
 
 
+def _check_input_ids(input_ids: torch.Tensor) -> None:
+    if input_ids.dtype != torch.int64 or input_ids.dim() not in (1, 2) or \
+            (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+        raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got "
+                         f"{input_ids.dtype} {tuple(input_ids.shape)}")
+
+
 class DecoderLayer(nn.Module):
     """One GLM-5.3 layer; attention kind from ``config.layer_types[layer_idx]``, FFN kind from
     ``config.mlp_layer_types[layer_idx]``. Names follow transformers ``Glm5NextTextDecoderLayer``."""
@@ -156,14 +163,43 @@ class GLM53Model(nn.Module):
             logits ``[..., T, vocab]`` in the model dtype (leading dims of ``input_ids``), or
             ``(logits, tuple_of_streams)``.
         """
-        if input_ids.dtype != torch.int64 or input_ids.dim() not in (1, 2) or \
-                (input_ids.dim() == 2 and input_ids.shape[0] != 1):
-            raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got "
-                             f"{input_ids.dtype} {tuple(input_ids.shape)}")
+        _check_input_ids(input_ids)
         prec = resolve_precision(self.precision)
         final, hidden = self.final_hidden(input_ids, cu_seqlens, prec, cp=cp)
         logits = linear(self.lm_head, final, prec).view(*input_ids.shape, -1)
         return (logits, hidden) if output_hidden_states else logits
+
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                       *, temperature: float = 1.0, return_entropy: bool = False):
+        """Log-probabilities of ``targets`` under the model, without the ``[T, vocab]`` logits:
+        the final hidden state through :func:`inductor_ext.ops.token_logprobs` with the lm_head
+        weight (vocabulary chunks, online log-sum-exp; ``batch_invariant`` from the precision).
+
+        Args:
+            input_ids: int64 ``[T]`` or ``[1, T]`` (packed documents, as :meth:`forward`).
+            targets: int64 of ``input_ids``' shape: the token scored at each position (usually the
+                next input id), ``-100`` to ignore a position (logprob 0, entropy 0, no gradient).
+            cu_seqlens: optional int64 ``[N+1]`` document offsets, as :meth:`forward`.
+            temperature: a python float > 0; the logits (the lm_head output in the model dtype,
+                cast to FP32) are divided by it before the log-softmax.
+            return_entropy: also return each position's entropy.
+
+        Returns:
+            FP32 log-probs of ``input_ids``' shape, or ``(logprobs, entropy)``; differentiable.
+            Equal, up to FP32 rounding, to ``log_softmax(model(input_ids).float() / temperature)``
+            gathered at ``targets``.
+        """
+        _check_input_ids(input_ids)
+        if not isinstance(targets, torch.Tensor) or targets.shape != input_ids.shape:
+            raise ValueError(f"GLM53Model.token_logprobs: targets must have input_ids' shape "
+                             f"{tuple(input_ids.shape)}, got {getattr(targets, 'shape', type(targets).__name__)}")
+        prec = resolve_precision(self.precision)
+        final, _ = self.final_hidden(input_ids, cu_seqlens, prec)
+        out = ops.token_logprobs(final, self.lm_head.weight, targets.reshape(-1), temperature=temperature,
+                                 return_entropy=return_entropy, batch_invariant=prec.batch_invariant)
+        if return_entropy:
+            return out[0].view(input_ids.shape), out[1].view(input_ids.shape)
+        return out.view(input_ids.shape)
 
     def final_hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, precision: PrecisionConfig,
                      serving: bool = False,

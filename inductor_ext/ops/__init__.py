@@ -1,7 +1,8 @@
 """Public entry points of the ``glm53`` ops: thin wrappers over ``torch.ops.glm53.*``.
 
 One module per op family (``kda``, ``kpool``, ``fp32_linear``, ``layer_norm_fp32``, ``swiglu``,
-``fp8_qdq``, ``mhc``, ``mhc_batch_invariant``, ``round_to``, ``sparse_mla``, ``batch_invariant``),
+``fp8_qdq``, ``mhc``, ``mhc_batch_invariant``, ``round_to``, ``sparse_mla``, ``batch_invariant``,
+``token_logprobs``),
 each holding the family's schemas, kernels, autograd and public wrapper; this package re-exports the
 wrappers. Each wrapper checks its inputs (``ValueError`` naming the rule), resolves a precision
 argument left ``None`` from the active :class:`~inductor_ext.PrecisionConfig` while tracing (so the
@@ -39,6 +40,7 @@ from inductor_ext.ops.mhc import mhc_post, mhc_pre
 from inductor_ext.ops.mhc_batch_invariant import bi_mhc_coefficients, mhc_post_batch_invariant, mhc_pre_batch_invariant
 from inductor_ext.ops.sparse_mla import sparse_mla
 from inductor_ext.ops.swiglu import swiglu
+from inductor_ext.ops.token_logprobs import token_logprobs
 
 fake_impls.register_all()
 
@@ -68,4 +70,5 @@ __all__ = [
     "bi_log_softmax",
     "bi_row_sum",
     "bi_mhc_coefficients",
+    "token_logprobs",
 ]
