@@ -4,7 +4,9 @@ The ops register themselves with ``torch.library`` on import; ``enable()`` adds 
 Inductor's global state, and only when the user asks: the decompositions of :mod:`lowerings` into
 Inductor's table (so the cheap ops fuse), an ``InductorChoices`` that keeps reductions of one FP8
 QDQ group (128 elements) persistent and launches them with a fixed, measured tile
-(:func:`lowerings._compat.install_persistent_reductions`), and a post-grad ``CustomGraphPass`` whose
+(:func:`lowerings._compat.install_persistent_reductions`), the settings under which Inductor keeps the
+eager graph's rounding points (:data:`lowerings._compat.EAGER_NUMERICS`, ``docs/DESIGN.md`` §10: every
+graph compiled in the process), and a post-grad ``CustomGraphPass`` whose
 ``uuid()`` hashes the package version and the source files that change compiled code (:data:`SALTED`:
 op definitions and kernels, fakes, lowerings, the config and its field checks, the back-end choice, the
 workspace plan), so Inductor's caches never reuse an artifact compiled by another version of them. Benchmarks,

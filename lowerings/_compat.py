@@ -32,9 +32,11 @@ __all__ = [
     "inductor_config",
     "inductor_decomposition",
     "EAGER_NUMERICS",
+    "fallback_to_aten",
     "install_eager_numerics",
     "install_persistent_reductions",
     "lowering_batch_invariant_graph",
+    "plain_inductor_numerics",
     "register_inductor_decomposition",
     "register_rounding_lowering",
     "reset_cudagraph_trees",
@@ -105,24 +107,33 @@ installs them; each is an Inductor config entry, so part of every FX-graph cache
 setting recompiles). ``docs/DESIGN.md`` §10 states what they guarantee and what they cost."""
 
 
-def install_eager_numerics() -> None:
-    """Set :data:`EAGER_NUMERICS` in ``torch._inductor.config``, for every graph Inductor compiles
-    from now on in this process (idempotent)."""
+@functools.cache
+def install_eager_numerics() -> tuple[str, ...]:
+    """Set :data:`EAGER_NUMERICS` in ``torch._inductor.config`` for every graph Inductor compiles from
+    now on in this process. Once per process: a setting the user changes afterwards stays changed
+    (``inductor_config.patch`` compares both in one process). Returns the settings this torch lacks
+    (2.13 has them all), logged once."""
+    missing = []
     for dotted, value in EAGER_NUMERICS.items():
         owner, _, name = dotted.rpartition(".")
         target = inductor_config
         for part in filter(None, owner.split(".")):
-            target = getattr(target, part)
+            target = getattr(target, part, None)
+        if target is None or not hasattr(target, name):
+            missing.append(dotted)
+            continue
         setattr(target, name, value)
+    if missing:
+        _log.warning("glm53: this torch's Inductor lacks %s; compiled kernels may round where eager does not",
+                     ", ".join(missing))
+    return tuple(missing)
 
 
-SMALL_REDUCTION_XBLOCK = 8
-"""Rows per program of a persistent reduction of 65-128 elements (Triton's default 4 warps).
-
-H200, the fused SwiGLU + FP8 QDQ kernel at 8192 x 2048, 10 launches back to back per graph replay
-(plain BF16 SwiGLU: 25.5 us): Inductor's autotuner picks XBLOCK 32 with 2 warps, 28.5 us; XBLOCK 8
-with 4 warps runs in 25.6-25.9 us (4 x 2: 25.6-25.8; 8 x 2: 26.7; 16 x 4: 26.9). Its benchmark times
-lone launches, where the larger tile looks better."""
+def plain_inductor_numerics() -> dict:
+    """Inductor's own defaults for the keys of :data:`EAGER_NUMERICS` (``inductor_config.patch`` them
+    to measure what the plugin's settings cost)."""
+    return {"emulate_precision_casts": False, "eager_numerics.division_rounding": False,
+            "eager_numerics.disable_ftz": False, "cpp.enable_floating_point_contract_flag": "off"}
 
 
 def _static_numel(numel) -> int | None:
@@ -253,6 +264,19 @@ def install_persistent_reductions(max_numel: int) -> bool:
     if type(V.choices) is InductorChoices:  # built before the install (or torch without the factory)
         V.set_choices_handler(cls())
     return True
+
+
+def fallback_to_aten(overloads) -> None:
+    """Make Inductor call ATen's own kernel for each of ``overloads`` (its decomposition and lowering
+    dropped) in every graph compiled from now on in this process; irreversible. What the mismatch
+    attribution (``notes/experiments/inductor_attribution.py``) sends to ATen, one family at a time."""
+    from torch._inductor.lowering import lowerings, make_fallback
+
+    for op in overloads:
+        _inductor_decomposition.decompositions.pop(op, None)
+        lowerings.pop(op, None)
+        make_fallback(op, warn=False)
+    _clear_merged_table()
 
 
 def inductor_decomposition(op: torch._ops.OpOverload) -> Callable | None:

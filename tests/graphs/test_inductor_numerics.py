@@ -19,7 +19,7 @@ from graphs import GLM53Config, GLM53Model
 from graphs.model import DecoderLayer
 from graphs.modules import cast_model
 from inductor_ext import PrecisionConfig
-from lowerings._compat import EAGER_NUMERICS, inductor_config
+from lowerings._compat import inductor_config, plain_inductor_numerics
 from tests.support.batch_invariant import assert_bitwise
 
 CONFIGS = {
@@ -115,8 +115,7 @@ def _layer_logits(kind: str, name: str, emulate: bool):
     layer = cast_model(layer, torch.bfloat16)
     streams = torch.randn(sum(LENGTHS), cfg.hc_mult, cfg.hidden_size).to(torch.bfloat16)
     cu = _inputs(cfg.vocab_size)[1]
-    settings = {} if emulate else {key: not value if isinstance(value, bool) else value
-                                   for key, value in EAGER_NUMERICS.items()}
+    settings = {} if emulate else plain_inductor_numerics()
     with torch.no_grad(), inductor_config.patch(settings):
         eager = layer(streams, cu)[0]
         compiled = torch.compile(layer, backend="inductor", fullgraph=True)(streams, cu)[0]

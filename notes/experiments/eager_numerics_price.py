@@ -1,0 +1,58 @@
+"""What the plugin's eager-rounding settings (``lowerings._compat.EAGER_NUMERICS``) cost on a GPU: the
+h200 KDA and DSA layers (``bench layer``, timing only: forward and forward + backward, CUDA-graph
+replay p50) compiled under Inductor's own numerics and under the plugin's, one after the other in one
+process, for the serving-aligned config and its batch-invariant form (``bench invariance``'s pair).
+
+    python notes/experiments/eager_numerics_price.py --tokens 8192 --samples 20 --out price.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+import inductor_ext
+from inductor_ext.bench import layer as layer_bench
+from lowerings._compat import inductor_config, plain_inductor_numerics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--precisions", nargs="+", default=["serving_aligned", "batch_invariant"])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("eager_numerics_price.json"))
+    args = parser.parse_args()
+    inductor_ext.enable()
+    runs, ratios = {}, []
+    for precision in args.precisions:
+        for numerics, patch in (("inductor", plain_inductor_numerics()), ("plugin", {})):
+            with inductor_config.patch(patch):
+                result = layer_bench.bench_layer(args.tokens, kinds=layer_bench.KINDS, samples=args.samples,
+                                                 precision=precision, timing_only=True)
+            runs[f"{precision}/{numerics}"] = result
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+        plain, plugin = (runs[f"{precision}/{n}"]["rows"] for n in ("inductor", "plugin"))
+        for a, b in zip(plain, plugin):
+            ratio = b["p50_us"] / a["p50_us"] if a.get("p50_us") and b.get("p50_us") else None
+            ratios.append({"precision": precision, "kind": a["kind"], "variant": a["variant"],
+                           "inductor_p50_us": a.get("p50_us"), "plugin_p50_us": b.get("p50_us"),
+                           "inductor_max_us": a.get("max_us"), "plugin_max_us": b.get("max_us"), "ratio": ratio})
+            print(json.dumps(ratios[-1]), file=sys.stderr, flush=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "tokens": args.tokens, "samples": args.samples, "ratios": ratios,
+                                        "runs": runs}, indent=2, default=str))
+    print("| precision | layer | step | Inductor p50 us | plugin p50 us | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in ratios:
+        print(f"| {r['precision']} | {r['kind']} | {r['variant']} | {r['inductor_p50_us']} | {r['plugin_p50_us']} | "
+              f"{r['ratio'] and round(r['ratio'], 3)} |")
+
+
+if __name__ == "__main__":
+    main()
