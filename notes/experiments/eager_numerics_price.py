@@ -1,7 +1,9 @@
 """What the plugin's eager-rounding settings (``lowerings._compat.EAGER_NUMERICS``) cost on a GPU: the
 h200 KDA and DSA layers (``bench layer``, timing only: forward and forward + backward, CUDA-graph
 replay p50) compiled under Inductor's own numerics and under the plugin's, one after the other in one
-process, for the serving-aligned config and its batch-invariant form (``bench invariance``'s pair).
+process, for the serving-aligned config and its batch-invariant form (``bench invariance``'s pair);
+and, for code without a ``glm53`` op, a plain BF16 RMSNorm + SwiGLU MLP block ([T, 4096] -> 12288
+-> 4096) forward + backward, CUDA-graph replay p50 under both.
 
     python notes/experiments/eager_numerics_price.py --tokens 8192 --samples 20 --out price.json
 """
@@ -17,7 +19,38 @@ import torch
 
 import inductor_ext
 from inductor_ext.bench import layer as layer_bench
+from inductor_ext.bench import timing
 from lowerings._compat import inductor_config, plain_inductor_numerics
+
+
+def plain_block(tokens: int, samples: int) -> dict:
+    """p50 / max us of a compiled BF16 RMSNorm + SwiGLU MLP forward + backward (no glm53 op) under
+    Inductor's numerics and the plugin's, one after the other."""
+    torch.manual_seed(0)
+    D, inter = 4096, 12288
+    w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True) * 0.02
+         for n, k in ((inter, D), (inter, D), (D, inter))]
+    w = [t.detach().requires_grad_(True) for t in w]
+    norm = torch.ones(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def block(x):
+        xf = x.float()
+        h = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * norm
+        return (torch.nn.functional.silu(h @ w[0].t()) * (h @ w[1].t())) @ w[2].t()
+
+    out = {}
+    for numerics, patch in (("inductor", plain_inductor_numerics()), ("plugin", {})):
+        torch._dynamo.reset()
+        with inductor_config.patch(patch):
+            compiled = torch.compile(block, backend="inductor", fullgraph=True)
+
+            def step(compiled=compiled):
+                compiled(x).float().square().mean().backward()
+
+            out[numerics] = timing.replay_stats(step, samples=samples)
+    out["ratio"] = out["plugin"]["p50_us"] / out["inductor"]["p50_us"]
+    return out
 
 
 def main() -> None:
@@ -28,6 +61,8 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("eager_numerics_price.json"))
     args = parser.parse_args()
     inductor_ext.enable()
+    block = plain_block(args.tokens, args.samples)
+    print("plain BF16 block:", json.dumps(block), file=sys.stderr, flush=True)
     runs, ratios = {}, []
     for precision in args.precisions:
         for numerics, patch in (("inductor", plain_inductor_numerics()), ("plugin", {})):
@@ -46,6 +81,7 @@ def main() -> None:
             print(json.dumps(ratios[-1]), file=sys.stderr, flush=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "tokens": args.tokens, "samples": args.samples, "ratios": ratios,
+                                        "plain_block": block,
                                         "runs": runs}, indent=2, default=str))
     print("| precision | layer | step | Inductor p50 us | plugin p50 us | ratio |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -42,11 +42,16 @@ def _overload(name: str):
 
 def run_variant(name: str, arms: list[str]) -> dict:
     """In this process: the mismatch run of ``arms`` with variant ``name``'s families sent to ATen."""
+    import torch
+
     import inductor_ext
     from inductor_ext.report import MismatchSettings, default_arms, run_mismatch
-    from lowerings._compat import fallback_to_aten, inductor_decomposition
+    from lowerings._compat import fallback_to_aten, inductor_config, inductor_decomposition
 
     inductor_ext.enable()
+    # a fallback is not part of Inductor's cache key: compile afresh, never reuse an artifact
+    inductor_config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     families = VARIANTS[name]
     glm53 = [_overload(n) for n in families or () if n.startswith("glm53.")]
     aten = [_overload(n) for n in families or () if not n.startswith("glm53.")]
@@ -78,7 +83,9 @@ def main() -> None:
     rows = {}
     for name in VARIANTS:
         proc = subprocess.run([sys.executable, __file__, "--variant", name, "--arms", *args.arms],
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"variant {name!r} failed:\n{proc.stderr[-3000:]}")
         rows[name] = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
         print(f"... {name}: {rows[name]}", file=sys.stderr, flush=True)
         (args.out / "attribution.json").write_text(json.dumps(rows, indent=2))
