@@ -52,10 +52,17 @@ def kpool_select_fake(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, 
     return logits.new_empty(logits.shape[0], topk + pool_size - 1, dtype=torch.int32)
 
 
+def kpool_score_select_fake(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool, layout, budget_mb,
+                            topk, pool_size, tail, batch_invariant):
+    """Output of ``glm53::kpool_score_select``: int32 ``[M, topk + P - 1]``, no data."""
+    return q.new_empty(q.shape[0], topk + pool_size - 1, dtype=torch.int32)
+
+
 FAKES = {
     "glm53::kpool_project": kpool_project_fake,
     "glm53::kpool_compress": kpool_compress_fake,
     "glm53::kpool_quant_query": kpool_quant_query_fake,
     "glm53::kpool_logits": kpool_logits_fake,
     "glm53::kpool_select": kpool_select_fake,
+    "glm53::kpool_score_select": kpool_score_select_fake,
 }

@@ -171,19 +171,42 @@ def indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len
     """Scores (:func:`kpool_logits`, or :func:`kpool_logits_batch_invariant`) and selection
     (:func:`kpool_select`) of the query rows ``q [M, H, 128]`` against ``pool [S, 128]``, in row
     chunks whose scoring memory fits ``budget_mb`` MiB (the logits workspace; ``[rows, H, S]`` FP32
-    products when ``batch_invariant``). Returns int32 ``[M, topk + P - 1]``."""
-    M, H, S = q.shape[0], q.shape[1], pool.shape[0]
+    products when ``batch_invariant``). Returns int32 ``[M, topk + P - 1]``.
+
+    One op, ``glm53::kpool_score_select``: the chunk count depends on M and S, so the loop runs
+    inside the op's kernel on concrete sizes, and a compiled graph holds one call whatever the token
+    count (M and S stay symbolic; no Python arithmetic on them while tracing)."""
+    return torch.ops.glm53.kpool_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool,
+                                              layout, budget_mb, topk, pool_size, tail, batch_invariant)
+
+
+def score_chunks(M: int, S: int, H: int, *, layout: str, budget_mb: int, batch_invariant: bool):
+    """``(start, stop)`` query-row ranges whose scoring memory fits ``budget_mb`` MiB, from concrete
+    sizes: the MQA logits workspace plan, or ``[rows, H, S]`` FP32 products when ``batch_invariant``."""
     if batch_invariant:
         rows = max(1, budget_mb * 2**20 // (4 * H * max(1, S)))
-        chunks = [(s, min(M, s + rows)) for s in range(0, M, rows)]
-    else:
-        chunks = workspace.LogitsPlan(M, S, H, layout, budget_mb * 2**20).chunks
+        return [(s, min(M, s + rows)) for s in range(0, M, rows)]
+    return workspace.LogitsPlan(M, S, H, layout, budget_mb * 2**20).chunks
+
+
+@torch.library.custom_op("glm53::kpool_score_select", mutates_args=())
+def _kpool_score_select_op(
+    q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pool_scale: torch.Tensor, q_lo: torch.Tensor,
+    q_n: torch.Tensor, tail_start: torch.Tensor, tail_len: torch.Tensor, kpool: str, layout: str, budget_mb: int,
+    topk: int, pool_size: int, tail: str, batch_invariant: bool,
+) -> torch.Tensor:
+    """Selected token ids int32 ``[M, topk + P - 1]``; see :func:`indexer_score_select`. Every device:
+    the scorer and selector ops it calls dispatch to their own device kernels."""
+    M, H, S = q.shape[0], q.shape[1], pool.shape[0]
     parts = []
-    for s, e in chunks:
-        if batch_invariant:
-            logits = kpool_logits_batch_invariant(q[s:e], w[s:e], pool, pool_scale, precision=kpool)
-        else:
-            logits = kpool_logits(q[s:e], w[s:e], pool, pool_scale, precision=kpool, layout=layout)
-        parts.append(kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
-                                  topk=topk, pool_size=pool_size, tail=tail))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+    with torch.no_grad():
+        for s, e in score_chunks(M, S, H, layout=layout, budget_mb=budget_mb, batch_invariant=batch_invariant):
+            if batch_invariant:
+                logits = kpool_logits_batch_invariant(q[s:e], w[s:e], pool, pool_scale, precision=kpool)
+            else:
+                logits = kpool_logits(q[s:e], w[s:e], pool, pool_scale, precision=kpool, layout=layout)
+            parts.append(kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
+                                      topk=topk, pool_size=pool_size, tail=tail))
+    if not parts:
+        return torch.empty(0, topk + pool_size - 1, dtype=torch.int32, device=q.device)
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, 0)

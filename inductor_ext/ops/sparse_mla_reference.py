@@ -81,7 +81,7 @@ def validate_sparse_mla_inputs(q, kv, token_ids, scale, d_v) -> None:
         raise ValueError(f"sparse_mla: token_ids needs W >= 1 columns, got {tuple(token_ids.shape)}")
     if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= D:
         raise ValueError(f"sparse_mla: d_v must be an int with 1 <= d_v <= D={D}, got {d_v!r}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf:
         raise ValueError(f"sparse_mla: scale must be a finite float, got {scale!r}")
     devices = {t.device for t in (q, kv, token_ids)}
     if len(devices) != 1:

@@ -35,7 +35,9 @@ def validate_swiglu_inputs(gate, up, limit, mode) -> None:
     """Static checks (mode, limit, shapes, dtypes, devices); raise ``ValueError`` naming the rule."""
     if mode not in MODES:
         raise ValueError(f"swiglu: mode must be one of {MODES}, got {mode!r}")
-    if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
+    # comparisons, not math.isfinite: under dynamic=True a float is symbolic, and a comparison
+    # only guards on it (NaN and inf fail them too)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
         raise ValueError(f"swiglu: limit must be a finite number > 0, got {limit!r}")
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate and up must share a shape, got {tuple(gate.shape)} and {tuple(up.shape)}")

@@ -94,7 +94,7 @@ def validate_token_logprobs_inputs(hidden, weight, targets, temperature, return_
     if isinstance(temperature, torch.Tensor):
         raise ValueError(f"{op}: temperature must be a python float, not a tensor (it is a literal of the graph)")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or not temperature > 0:
+            or not 0 < temperature < math.inf:  # comparisons: a symbolic float only guards
         raise ValueError(f"{op}: temperature must be a finite python float > 0, got {temperature!r}")
     for name, flag in (("return_entropy", return_entropy), ("batch_invariant", batch_invariant)):
         if not isinstance(flag, bool):
