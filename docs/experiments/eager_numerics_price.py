@@ -3,7 +3,7 @@ h200 KDA and DSA layers (``bench layer``, timing only: forward and forward + bac
 replay p50) compiled under Inductor's own numerics and under the plugin's, one after the other in one
 process, for the serving-aligned config and its batch-invariant form (``bench invariance``'s pair).
 
-    python notes/experiments/eager_numerics_price.py --tokens 8192 --samples 20 --out price.json
+    python docs/experiments/eager_numerics_price.py --tokens 8192 --samples 20 --out price.json
 """
 
 from __future__ import annotations
