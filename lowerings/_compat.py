@@ -278,7 +278,7 @@ def install_persistent_reductions(max_numel: int) -> bool:
 def fallback_to_aten(overloads) -> None:
     """Make Inductor call ATen's own kernel for each of ``overloads`` (its decomposition and lowering
     dropped) in every graph compiled from now on in this process; irreversible. What the mismatch
-    attribution (``notes/experiments/inductor_attribution.py``) sends to ATen, one family at a time."""
+    attribution (``docs/experiments/inductor_attribution.py``) sends to ATen, one family at a time."""
     from torch._inductor.lowering import lowerings, make_fallback
 
     for op in overloads:

@@ -70,7 +70,7 @@ def _gpu_memory(request):
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA (run on the H200 through the device tool)")
+    skip = pytest.mark.skip(reason="needs CUDA (run them on a GPU machine: DEVELOPERS.md)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

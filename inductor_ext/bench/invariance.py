@@ -11,7 +11,7 @@ In one process, under ``serving_aligned()`` and under the same config with ``bat
   two warm-up steps).
 
 Returns ``{"layer": {config: bench_layer result (rows of both kinds)}, "decode": {config: {p50_us,
-max_us, samples}}, "ratios": [...]}``; a ratio is batch-invariant p50 over plain p50 (the issue's targets:
+max_us, samples}}, "ratios": [...]}``; a ratio is batch-invariant p50 over plain p50 (the targets:
 forward + backward ≤ 1.15, a decode step ≤ 1.5).
 """
 

@@ -16,9 +16,9 @@ limit 10:
 - ``unfused_eager``: the two eager custom-op calls (their plain-torch reference kernels, several
   ATen launches each): what the model runs without Inductor.
 - ``copy``: ``dst.copy_(gate_up)``, device-to-device, the bandwidth peer.
-- ``lmdeploy_v4_swiglu_quant`` (only when LMDeploy's kernel module is importable, e.g.
-  ``PYTHONPATH=.lmdeploy``): the serving engine's fused SwiGLU + e4m3 quantization, writing
-  e4m3 values and FP32 scales.
+- ``lmdeploy_v4_swiglu_quant`` (only when LMDeploy's kernel module is importable: ``python
+  scripts/fetch_lmdeploy_kernels.py``, ``PYTHONPATH=.lmdeploy``): the serving engine's fused
+  SwiGLU + e4m3 quantization, writing e4m3 values and FP32 scales.
 - expert input (``[tokens, hidden]`` BF16): ``fp8_qdq(x, "ue8m0")`` compiled, and LMDeploy's
   ``quant_fp8`` when importable.
 
@@ -197,6 +197,6 @@ def format_moe_act(result: dict) -> str:
                      "launch-bound and the ratios say little.")
     lines.append(f"Bytes: {result['bytes_note']}.")
     if not result.get("lmdeploy_peer"):
-        lines.append("LMDeploy peers skipped (its kernel modules are not importable; see .lmdeploy/README.txt).")
+        lines.append("LMDeploy peers skipped (not importable: scripts/fetch_lmdeploy_kernels.py; PYTHONPATH=.lmdeploy)")
     return "\n".join(lines)
 

@@ -114,7 +114,7 @@ def _reference(inputs):
     return recurrence_fp64(*(inputs[n] for n in ARGS), scale, inputs["initial_state"], inputs["cu_seqlens"])
 
 
-# the interpreter's backward reaches 1.1e-6 (dg) at worst against the FP64 VJP; the bound
+# the interpreter's backward reaches 1.1e-6 (dg) at worst against the FP64 VJP; the stated bound
 # on the H200 is TOL["fp32"]["grad"] = 1e-4. 1e-5 here keeps a tenth of a TF32 ulp of headroom
 # and fails a single plain-TF32 dot.
 GRAD_TOL_INTERPRETER = 1e-5

@@ -345,7 +345,7 @@ def _near_tie_rows(got, want, logits, cu, topk, tol):
 @pytest.mark.cuda
 @pytest.mark.parametrize("kpool", ["bf16", "fp8"])
 def test_cuda_packed_end_to_end(kpool):
-    """The issue's size: packed documents (8195, 8189), 32 heads, head dim 128, top-k 2048: the
+    """The h200 indexer's size: packed documents (8195, 8189), 32 heads, head dim 128, top-k 2048: the
     whole ``kpool_indexer`` runs on CUDA, its selection invariants hold, and it equals the CPU
     reference kernels run from the same (CUDA) projections — the GEMMs before the pooling round
     differently on each device, which no kernel contract covers. Where token sets differ, every

@@ -1,7 +1,7 @@
 """Bitwise comparison on CUDA with the serving engine's Triton kernels (LMDeploy 0.18.0).
 
-Peers (imported, never copied into this repository; ``.lmdeploy/README.txt`` builds a minimal
-package tree of just these modules, put it on ``PYTHONPATH``):
+Peers (imported, never copied into this repository; ``python scripts/fetch_lmdeploy_kernels.py``
+extracts just these modules from LMDeploy's wheel into the git-ignored ``.lmdeploy/``, put it on ``PYTHONPATH``):
 
 - ``lmdeploy.pytorch.kernels.cuda.blocked_gemm_fp8.quant_fp8(x, 128, float8_e4m3fn,
   scale_fmt="ue8m0")``: e4m3 values ``[M, K]`` and FP32 scales ``[M, K/128]`` (row-major; the
@@ -56,7 +56,7 @@ else:
 needs_lmdeploy = pytest.mark.skipif(
     lmd_quant is None,
     reason="LMDeploy 0.18 kernel modules not importable (" + _IMPORT_ERROR + "); build .lmdeploy/ with "
-    "`bash .lmdeploy/README.txt` and run with PYTHONPATH=$PWD/.lmdeploy",
+    "`python scripts/fetch_lmdeploy_kernels.py` and run with PYTHONPATH=$PWD/.lmdeploy",
 )
 
 GROUP, LIMIT = 128, 10.0

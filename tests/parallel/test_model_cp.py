@@ -171,7 +171,7 @@ def check_worker(rank: int, world: int, config_name: str, layout: str, plants: t
     return {"rows": row_sets, "meta": meta}
 
 
-# planted defects for the self-test: rank 0's partial of the 3-number mHC gradient of issue 31 10%
+# planted defects for the self-test: rank 0's partial of the ill-conditioned 3-number mHC gradient 10%
 # off in both precisions (the FP32 row must reject it; in BF16 it is below the rounding noise of
 # that ill-conditioned sum, so the BF16 row passes), and rank 0's partial of the first DSA layer's
 # kv_b_proj gradient doubled in the BF16 run only (a double count: the BF16 row must reject it)
@@ -218,7 +218,7 @@ def test_tiny_model_with_dsa_layers_cp_equals_one_rank(config_name, layout):
     BF16: logits as the KDA-only BF16 model, every parameter reached. Its gradients are judged by
     ``cp-check`` with the indexer selections pinned (test_cp_check_on_two_ranks): unpinned, one
     top-k flip between CP and one rank moves a 3-number mHC gradient past any fixed bound (seen
-    here: layers.2.attn_hc.scale 5.0e-2 against max(3e-2, 3·noise) = 4.9e-2; issue 31)."""
+    here: layers.2.attn_hc.scale 5.0e-2 against max(3e-2, 3·noise) = 4.9e-2; docs/DESIGN.md §8)."""
     res = job_result(2, f"full-model-{config_name}")[0][layout]
     assert not res["missing_grads"], res["missing_grads"]
     assert res["logits"][0] <= 2e-2, res["logits"]

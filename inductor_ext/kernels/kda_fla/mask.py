@@ -6,7 +6,7 @@ residual, so the rest must be defined: zero, as in the CPU reference. The kernel
 zeros (no reads): one program per (chunk, batch, block of up to 16 heads) walks the chunk's 64
 token rows, each a contiguous run of 16 heads × 64 columns (token-major layout) stored with its
 upper-triangle mask; chunks restart at every document start. The H200 timings against the other
-forms tried: ``notes/kda.md`` (Aqk zeroing).
+forms tried: ``docs/kda.md`` (Aqk zeroing).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ Seven steps, no host synchronisation:
 
 Every dot is :func:`.primitives.dot3` (three TF32 MMAs on split operands). Scratch at T = 16384, H = 64,
 K = V = 128: about 9 GB of FP32 intermediates. Bound: every gradient within 1e-4 relative L2 of the FP64
-VJP (FP32 inputs). H200 times and the versions tried: ``notes/kda-fp32-kernels.md``.
+VJP (FP32 inputs). H200 times and the versions tried: ``docs/kda.md``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from inductor_ext.kernels.kda_fp32.forward import check_blocks, check_inputs, ch
 
 __all__ = ["kda_fp32_bwd"]
 
-# software-pipelining depths, the fastest measured on the H200 (notes/kda-fp32-kernels.md): the state pass
+# software-pipelining depths, the fastest measured on the H200 (docs/kda.md): the state pass
 # backwards is not pipelined (its loop carries five dots and 196 KB of staged loads), nor is the WY
 # backward's loop; the per-slice chunk-gradient kernel's is, 3 deep (its V loop's loads of HS, dh', do and
 # v_new in flight)

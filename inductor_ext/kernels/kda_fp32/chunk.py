@@ -214,7 +214,7 @@ def k_slice(q, k, g, tok, rows, r, n, rq, rk, i_h, kb, H: tl.constexpr, K: tl.co
     gc = tl.cumsum(tl.load(g + off, mask=m, other=0.0).to(tl.float64), 0)
     # rows n-1 (the chunk's last) and 32 (the whole-chunk factors' reference) of gc, as exact selects
     # in one reduction: FP64 reductions over the rows cross warps, and each costs a shared-memory
-    # round trip (measured: notes/kda-fp32-kernels.md)
+    # round trip (measured: docs/kda.md)
     pick = tl.where(tl.arange(0, 2) == 0, n - 1, 32)
     gl, ref = tl.split(tl.sum(tl.where((r[:, None] == pick[None, :])[:, None, :], gc[:, :, None], 0.0), 0))
     return c, qh, kh, gc, gl, ref

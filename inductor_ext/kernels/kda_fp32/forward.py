@@ -44,7 +44,7 @@ __all__ = ["kda_fp32_fwd", "CAUSAL_LAUNCH", "ChunkPass", "chunk_pass", "state_pa
            "check_inputs", "check_blocks", "MAX_DIM"]
 
 MAX_DIM = FP32_KERNEL_MAX_DIM  # head dims K, V
-# launch options (the H200 measurements behind them: notes/kda-fp32-kernels.md):
+# launch options (the H200 measurements behind them: docs/kda.md):
 # the split state pass (the backward's) keeps the loads of 2 chunks in flight (cp.async into shared memory:
 # 196 KB at K = 128, block_v 64; 3 stages would need 278 KB, more than an SM has)
 STATE_STAGES = 2
@@ -233,7 +233,7 @@ def kda_fp32_fwd(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, *
     columns per state-pass program) and ``warps`` (chunk and solve kernels, Triton state kernel; the Gluon
     state pass of :mod:`.gluon_state`, taken on Hopper for block_v 64 and K > 64, runs 8). Keep the
     chunk kernel at 4 warps: at 8 it faulted with an illegal memory access on the H200 (triton 3.6;
-    ``notes/kda-fp32-kernels.md``).
+    ``docs/kda.md``).
     ``chunk_maxnreg`` caps the chunk kernel's registers per thread (None: ptxas' choice); 168 is the
     fastest cap measured on the H200.
     ``split_output``: the solve kernel computes w and u, the state pass only carries the state

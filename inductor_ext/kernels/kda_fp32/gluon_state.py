@@ -8,7 +8,7 @@ v and beta the op's inputs), ``o = qg·h + Aqk·v_new`` (stored in o's dtype) an
 ``h ← e^{gc_last}·h + kgᵀ·v_new``, the state ``h`` ``[128, 64]`` FP32 carried across the loop as its
 TF32 halves in shared memory. In Gluon so that the products run asynchronously, overlapped with the
 loads and splits of the next tiles, without spilling (Triton waits for every ``tl.dot`` of that loop
-and spills; the profiles: ``notes/kda-fp32-kernels.md``). Per chunk, five products of three TF32 MMAs
+and spills; the profiles: ``docs/kda.md``). Per chunk, five products of three TF32 MMAs
 each:
 
 - tiles that multiply the same B operand are stacked into one [128, 64] A operand, one 64-row tile per

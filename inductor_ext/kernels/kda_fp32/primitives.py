@@ -52,7 +52,7 @@ def dot3t(a, b):
     operand K-major from shared memory: staging a row-major b there takes one scalar (transposing)
     store per element, staging aᵀ, for a row-major a, takes vector stores. For tiles loaded from
     memory; on operands that other dots produced or that stay live the extra layout conversions cost
-    more than that (H200 measurements: ``notes/kda-fp32-kernels.md``)."""
+    more than that (H200 measurements: ``docs/kda.md``)."""
     return tl.trans(dot3(tl.trans(b), tl.trans(a)))
 
 

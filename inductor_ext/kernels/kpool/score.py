@@ -14,7 +14,7 @@ sum is FP32 CUDA-core math; the dots run on the tensor cores:
   about 1e-4 (relative L2) from the exact FP32 reference, far inside the normalized-error
   contract of the FP8 path (DeepGEMM's ``calc_diff`` <= 5e-6). Exact FP32 sums would need the
   FP16 MMA on widened operands, at about half this kernel's speed (measured on the H200:
-  ``notes/kda-fp32-kernels.md``).
+  ``docs/kpool-indexer.md``).
 
 Main kernel: one program = ``BQ=64`` tokens × ``BN=128`` pools, one warpgroup, a loop over the H
 heads. The pool tile is loaded once and stays in shared memory as the MMA's B operand (MQA: all

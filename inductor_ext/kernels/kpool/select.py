@@ -36,7 +36,7 @@ share a key, as they compare equal).
 Cost per selecting row: one read of the q_n visible scores; one pass for min, max and moments
 (one block reduction for the four); the counting passes (at most 2 + log2(q_n) + 2·32; about 5 on
 sum-of-heads scores, where key bisection alone takes 12-15: the simulated counts per score
-distribution are in ``notes/kda-fp32-kernels.md``); one scatter; the write of ``topk + P - 1`` ids.
+distribution are in ``docs/kpool-indexer.md``); one scatter; the write of ``topk + P - 1`` ids.
 The kernel is issue-bound, so its time follows its instruction count.
 Static shapes only, no host sync. NaN scores are not supported.
 """
@@ -49,7 +49,7 @@ import triton.language as tl
 
 __all__ = ["kpool_select_fwd"]
 
-# launch geometry; the H200 measurements behind each value: notes/kda-fp32-kernels.md
+# launch geometry; the H200 measurements behind each value: docs/kpool-indexer.md
 ONE_WARP = 512  # up to 512 pools per row: one warp
 MIN_WARPS_WIDE = 4  # wider rows: at least 4 warps
 MAX_BLOCK = 32768  # wider rows: one warp per 2048 resident pools; slots past MAX_BLOCK are re-read

@@ -39,7 +39,7 @@ nearest integer (halves away from zero): each field stays below ``2^29 · (1 + r
 two bits of margin for the bf16 rounding of ds/p, the MMAs' FP32 sums and the two passes' different
 tilings. The quantum is ``2^-29 · B_s``; each add errs by at most half of it. ``B_s`` exceeds the
 row's elements by the cancellations over heads and queries, so the error is about 2^-15 of an
-element at the benchmark geometry (``notes/sparse-mla.md``): coarser than FP32 atomics, far below
+element at the benchmark geometry (``docs/sparse-mla.md``): coarser than FP32 atomics, far below
 the BF16 rounding of ``dkv``. ``dkv = fp32(field) · 2^-F_s`` rounded to kv's dtype. A bound per row
 keeps a rarely picked row as precise as a popular one; non-finite q, dO or dlse make the scales
 meaningless (dkv then undefined, not NaN).
@@ -49,7 +49,7 @@ bitwise repeatable; no bound).
 
 Launches: a ``dq`` pass (no floating-point atomics; dq in FP32 registers; the row bounds) then a
 ``dkv`` pass (recomputes s, p, dp; no dq accumulator, so fewer registers). Measurements:
-``notes/sparse-mla.md``.
+``docs/sparse-mla.md``.
 
 Memory: the accumulator (4 bytes an element, D padded to whole chunk pairs), ``[S]`` bounds and
 scales, ``dq``, ``dkv``; nothing ``[T, S]``. No host synchronisation: CUDA-graph safe.

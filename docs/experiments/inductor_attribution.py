@@ -4,7 +4,7 @@ kernels (``lowerings._compat.fallback_to_aten``; a fresh process per variant, si
 process-wide) and re-running ``python -m inductor_ext mismatch --compile inductor`` on the same
 rollout.
 
-    python notes/experiments/inductor_attribution.py --out attribution_out [--arms reference serving_aligned]
+    python docs/experiments/inductor_attribution.py --out attribution_out [--arms reference serving_aligned]
 
 Writes ``attribution.json`` and prints a Markdown table: per variant and arm, k3 and the number of
 tokens with r != 0. ``eager`` is the training model uncompiled (the target), ``inductor`` the plugin

@@ -5,7 +5,7 @@ process, for the serving-aligned config and its batch-invariant form (``bench in
 and, for code without a ``glm53`` op, a plain BF16 RMSNorm + SwiGLU MLP block ([T, 4096] -> 12288
 -> 4096) forward + backward, CUDA-graph replay p50 under both.
 
-    python notes/experiments/eager_numerics_price.py --tokens 8192 --samples 20 --out price.json
+    python docs/experiments/eager_numerics_price.py --tokens 8192 --samples 20 --out price.json
 """
 
 from __future__ import annotations

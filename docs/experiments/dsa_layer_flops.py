@@ -1,6 +1,6 @@
-"""Session 32: the matmul FLOPs of the h200 DSA layer's forward + backward (T = 8192, two packed
+"""The matmul FLOPs of the h200 DSA layer's forward + backward (T = 8192, two packed
 documents, ``serving_aligned``), by op and dtype, counted on fake tensors (CPU, no GPU, ~1 min):
-``python notes/experiments/dsa_layer_flops.py`` from the repository root. ``aten._grouped_mm``
+``python docs/experiments/dsa_layer_flops.py`` from the repository root. ``aten._grouped_mm``
 calls (the routed experts) are counted by their shapes; the sparse MLA's FLOPs are
 ``inductor_ext.bench.attn.sparse_flop`` of the visible pairs."""
 import collections

@@ -1,11 +1,11 @@
-"""Session 32: the TileLang fixed32x2 dkv launch without its reductions, per launch (torch.profiler).
+"""The TileLang fixed32x2 dkv launch without its reductions, per launch (torch.profiler).
 
 Writes two experiment copies of ``inductor_ext/kernels/sparse_mla/tilelang_backward.py`` next to
 this file (``tlb_no_red.py``: the reductions behind a guard that never holds, ``row >= S``;
 ``tlb_no_conv.py``: also without the fixed-point scaling), then times the bound / fixed32x2 /
 float32 launches of the three at T = 8192 and 32768 (h200 geometry, causal random ids).
 Run from the repository root on an H200 with tilelang 0.1.15 importable:
-``python notes/experiments/dkv_launch_parts.py``.
+``python docs/experiments/dkv_launch_parts.py``. Results: ``docs/sparse-mla.md``.
 """
 import importlib
 import multiprocessing as mp

@@ -1,5 +1,6 @@
-"""Session 32 (an H200, from the repository root: ``python notes/experiments/dsa_layer_profile.py``): where the compiled h200 DSA layer's forward + backward spends its kernel time (no CUDA
-graphs, T = 8192, serving_aligned): every kernel by device time, and the matmul ops by input shape."""
+"""Where the compiled h200 DSA layer's forward + backward spends its kernel time (no CUDA graphs,
+T = 8192, serving_aligned): every kernel by device time, and the matmul ops by input shape. On an
+H200, from the repository root: ``python docs/experiments/dsa_layer_profile.py``."""
 import torch
 from torch.profiler import ProfilerActivity, profile
 

@@ -1,4 +1,4 @@
-"""Session 32 micro-benchmark: the TileLang dkv launch's reductions alone.
+"""Micro-benchmark: the TileLang dkv launch's reductions alone.
 
 One CTA per query row, two consumer warpgroups; per block of 64 listed ids each consumer computes
 two [64, 128] dk pieces (ds·q + p·dO by wgmma, as the backward does), rounds them to int32 and adds
@@ -12,7 +12,7 @@ them into an [S, 512] int32 accumulator by
 
 Ids: the benchmark's causal random ids (T = 8192, W = 2051). Every mode's sums are compared with
 the first's. Run on an H200 with tilelang 0.1.15 importable, from the repository root:
-``python notes/experiments/dkv_reductions.py [modes]``; ``--source MODE ...`` writes the generated
+``python docs/experiments/dkv_reductions.py [modes]``; ``--source MODE ...`` writes the generated
 CUDA to /tmp instead (no GPU needed).
 """
 import functools
