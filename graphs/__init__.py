@@ -6,12 +6,14 @@ Public surface::
     cfg = GLM53Config.tiny()                   # .h200(), .from_hf(hf_text_config)
     model = GLM53Model(cfg, precision=PrecisionConfig.serving_aligned()).to_dtype(torch.bfloat16)
     model = GLM53Model.from_hf(hf_model_or_state_dict, config=None, precision=None)
-    torch.compile(model, fullgraph=True)(input_ids, cu_seqlens)
+    torch.compile(model, fullgraph=True)(input_ids, cu_seqlens)   # one graph for every length
+    ids, cu, n = pad_to_bucket(input_ids, cu_seqlens, 256)          # few lengths, for CUDA graphs
 
 ``graphs.signature`` records the op sequence of the compiled graphs; the recorded signatures live
 in ``tests/graphs/signatures/``.
 """
 
+from graphs.buckets import pad_to_bucket
 from graphs.config import GLM53Config
 from graphs.dsa_layer import IndexedAttention, Indexer
 from graphs.kda_layer import LinearAttention
@@ -20,7 +22,7 @@ from graphs.modules import MLP, HyperConnection, MoE, RMSNorm
 from graphs.sparse_attention import sparse_attention
 
 __all__ = ["GLM53Config", "GLM53Model", "DecoderLayer", "LinearAttention", "IndexedAttention", "Indexer",
-           "MLP", "MoE", "HyperConnection", "RMSNorm", "sparse_attention"]
+           "MLP", "MoE", "HyperConnection", "RMSNorm", "sparse_attention", "pad_to_bucket"]
 
 from graphs.serving import ServingForward  # noqa: E402
 

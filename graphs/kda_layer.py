@@ -112,7 +112,7 @@ class LinearAttention(nn.Module):
         xf, w = x.float(), self.conv1d.weight.float()[:, 0, :]  # [T, C], [C, K]
         out = xf * w[:, self.kernel - 1]
         for s in range(1, self.kernel):
-            shifted = F.pad(xf[:-s], (0, 0, s, 0)) if s < x.shape[0] else torch.zeros_like(xf)
+            shifted = F.pad(xf, (0, 0, s, 0))[: xf.shape[0]]  # x[t - s], zeros before row 0; any T, no branch
             out = out + torch.where((pos >= s)[:, None], shifted, 0.0) * w[:, self.kernel - 1 - s]
         return F.silu(out).to(x.dtype)
 

@@ -34,13 +34,16 @@ def register_all() -> None:
     """Register every decomposition in Inductor's table and the lowering of their rounding point
     ``glm53::round_to``, keep reductions of one FP8 QDQ group (128 elements) persistent
     (:func:`lowerings._compat.install_persistent_reductions`) and make Inductor keep the eager
-    graph's rounding points (:data:`lowerings._compat.EAGER_NUMERICS`); idempotent."""
+    graph's rounding points (:data:`lowerings._compat.EAGER_NUMERICS`), and let one symbolic-shape
+    graph serve every document count (:func:`lowerings._compat.install_size_oblivious_shapes`);
+    idempotent."""
     import torch
 
     from inductor_ext.ops.fp8_qdq import GROUP
     from lowerings._compat import (
         install_eager_numerics,
         install_persistent_reductions,
+        install_size_oblivious_shapes,
         register_inductor_decomposition,
         register_rounding_lowering,
     )
@@ -50,3 +53,4 @@ def register_all() -> None:
         register_inductor_decomposition(op, fn)
     install_persistent_reductions(GROUP)
     install_eager_numerics()
+    install_size_oblivious_shapes()

@@ -34,6 +34,7 @@ __all__ = [
     "EAGER_NUMERICS",
     "fallback_to_aten",
     "install_eager_numerics",
+    "install_size_oblivious_shapes",
     "install_persistent_reductions",
     "lowering_batch_invariant_graph",
     "plain_inductor_numerics",
@@ -127,6 +128,25 @@ def install_eager_numerics() -> tuple[str, ...]:
         _log.warning("glm53: this torch's Inductor lacks %s; compiled kernels may round where eager does not",
                      ", ".join(missing))
     return tuple(missing)
+
+
+@functools.cache
+def install_size_oblivious_shapes() -> bool:
+    """Let one symbolic-shape graph serve packed batches of one document and of many: set
+    ``torch.fx.experimental._config.backed_size_oblivious`` (once per process; False where this torch
+    lacks it, logged). Without it, a tensor with one row per document (the KDA final state
+    ``[N, H, K, V]``, chunk tables) makes the contiguity checks guard ``N != 1``, and the first
+    one-document batch after a many-document one compiles a third graph. With it, such a check
+    on a symbolic size decides "not 1" without a guard (PyTorch's size-oblivious reasoning);
+    sizes that enter a graph as 0 or 1 are still specialized, as without it."""
+    from torch.fx.experimental import _config as fx_config
+
+    if not hasattr(fx_config, "backed_size_oblivious"):
+        _log.warning("glm53: this torch lacks torch.fx.experimental._config.backed_size_oblivious; a "
+                     "one-document batch recompiles a graph compiled for many")
+        return False
+    fx_config.backed_size_oblivious = True
+    return True
 
 
 def plain_inductor_numerics() -> dict:

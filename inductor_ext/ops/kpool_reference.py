@@ -108,8 +108,10 @@ def layout_reference(cu_seqlens: torch.Tensor, num_tokens: int, pool_size: int):
     doc_start = cu[doc]
     pos = tok - doc_start
     q_n = torch.div(pos + 1, P, rounding_mode="floor")
-    n_pools = torch.div(cu[1:] - cu[:-1], P, rounding_mode="floor")
-    pool_cum = torch.cat((n_pools.new_zeros(1), n_pools.cumsum(0)))
+    # complete pools of each document, cumulated: [N+1] tensors only (a slice of N documents would
+    # specialize a compiled graph on N == 1)
+    lengths = torch.where(torch.arange(cu.shape[0], device=dev) == 0, 0, cu - torch.roll(cu, 1))
+    pool_cum = torch.div(lengths, P, rounding_mode="floor").cumsum(0)
     q_lo = pool_cum[doc]
     slot = torch.arange(S, device=dev, dtype=torch.int64)
     slot_doc = segment_of(pool_cum, slot)
