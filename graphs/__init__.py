@@ -8,6 +8,8 @@ Public surface::
     model = GLM53Model.from_hf(hf_model_or_state_dict, config=None, precision=None)
     torch.compile(model, fullgraph=True)(input_ids, cu_seqlens)   # one graph for every length
     ids, cu, n = pad_to_bucket(input_ids, cu_seqlens, 256)          # few lengths, for CUDA graphs
+    out = model(input_ids=ids, position_ids=pos, labels=labels)   # transformers call: .logits, .loss
+    hf_model = patch_transformers(hf_model, precision=None)      # a transformers glm5_next model, in place
 
 ``graphs.signature`` records the op sequence of the compiled graphs; the recorded signatures live
 in ``tests/graphs/signatures/``.
@@ -25,5 +27,6 @@ __all__ = ["GLM53Config", "GLM53Model", "DecoderLayer", "LinearAttention", "Inde
            "MLP", "MoE", "HyperConnection", "RMSNorm", "sparse_attention", "pad_to_bucket"]
 
 from graphs.serving import ServingForward  # noqa: E402
+from graphs.transformers_patch import patch_transformers  # noqa: E402
 
-__all__ += ["ServingForward"]
+__all__ += ["ServingForward", "patch_transformers"]

@@ -25,6 +25,7 @@ from graphs.config import GLM53Config
 from graphs.dsa_layer import IndexedAttention
 from graphs.kda_layer import LinearAttention
 from graphs.modules import MLP, HyperConnection, MoE, RMSNorm, cast_model, linear, resolve_precision, stream_mean
+from graphs.transformers_call import causal_lm_call, check_input_ids, resolve_documents
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.parallel.context import CPContext
 
@@ -56,13 +57,6 @@ def check_cp(num_tokens: int, cu_seqlens: torch.Tensor | None, cp: CPContext | N
     if num_tokens != cp.local_tokens:
         raise ValueError(f"GLM53: with cp the input holds this rank's {cp.local_tokens} tokens (cp.shard of the "
                          f"global batch), got {num_tokens}")
-
-
-def _check_input_ids(input_ids: torch.Tensor) -> None:
-    if input_ids.dtype != torch.int64 or input_ids.dim() not in (1, 2) or \
-            (input_ids.dim() == 2 and input_ids.shape[0] != 1):
-        raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got "
-                         f"{input_ids.dtype} {tuple(input_ids.shape)}")
 
 
 class DecoderLayer(nn.Module):
@@ -146,9 +140,10 @@ class GLM53Model(nn.Module):
         """Cast to ``dtype`` keeping transformers' FP32 parameters (router, conv, gates, mHC) FP32."""
         return cast_model(self, dtype)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                output_hidden_states: bool = False, cp: CPContext | None = None):
-        """Logits of packed documents.
+    def forward(self, input_ids: torch.Tensor | None = None, /, cu_seqlens: torch.Tensor | None = None,
+                output_hidden_states: bool = False, cp: CPContext | None = None, **hf_kwargs):
+        """Logits of packed documents (``model(ids, cu_seqlens)``); the transformers call when
+        ``input_ids`` is passed by name or with any transformers keyword (``model(input_ids=ids, ...)``).
 
         Args:
             input_ids: int64 ``[T]`` or ``[1, T]`` (batch 1: documents are packed); with ``cp``
@@ -158,19 +153,32 @@ class GLM53Model(nn.Module):
             output_hidden_states: also return the mHC streams ``[T, N, D]`` after every layer.
             cp: a :class:`~inductor_ext.parallel.CPContext` (context parallel): the logits and
                 streams are the local tokens' (``cp.unshard`` gathers them in global order).
+            hf_kwargs: ``input_ids=`` by name or any other keyword (``position_ids``,
+                ``attention_mask``, ``labels``, ``use_cache``, ``return_dict``, ...) makes this the
+                transformers call (:func:`graphs.transformers_call.causal_lm_call`; ``docs/DESIGN.md``
+                §7.1): it returns a transformers ``CausalLMOutputWithPast`` (``.logits``, ``.loss``),
+                or its tuple with ``return_dict=False``, and takes int32 ``cu_seqlens`` too.
 
         Returns:
             logits ``[..., T, vocab]`` in the model dtype (leading dims of ``input_ids``), or
-            ``(logits, tuple_of_streams)``.
+            ``(logits, tuple_of_streams)``; the transformers output with ``hf_kwargs``.
         """
-        _check_input_ids(input_ids)
         prec = resolve_precision(self.precision)
+        if hf_kwargs:
+            if "input_ids" in hf_kwargs:
+                if input_ids is not None:
+                    raise ValueError("GLM53Model: input_ids given twice (by position and by name)")
+                input_ids = hf_kwargs.pop("input_ids")
+            return causal_lm_call(self.final_hidden, self.lm_head, prec, input_ids, cu_seqlens=cu_seqlens,
+                                  output_hidden_states=output_hidden_states, cp=cp, **hf_kwargs)
+        check_input_ids(input_ids)
         final, hidden = self.final_hidden(input_ids, cu_seqlens, prec, cp=cp)
         logits = linear(self.lm_head, final, prec).view(*input_ids.shape, -1)
         return (logits, hidden) if output_hidden_states else logits
 
     def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                       *, temperature: float = 1.0, return_entropy: bool = False):
+                       *, temperature: float = 1.0, return_entropy: bool = False,
+                       position_ids: torch.Tensor | None = None):
         """Log-probabilities of ``targets`` under the model, without the ``[T, vocab]`` logits:
         the final hidden state through :func:`inductor_ext.ops.token_logprobs` with the lm_head
         weight (vocabulary chunks, online log-sum-exp; ``batch_invariant`` from the precision).
@@ -179,21 +187,24 @@ class GLM53Model(nn.Module):
             input_ids: int64 ``[T]`` or ``[1, T]`` (packed documents, as :meth:`forward`).
             targets: int64 of ``input_ids``' shape: the token scored at each position (usually the
                 next input id), ``-100`` to ignore a position (logprob 0, entropy 0, no gradient).
-            cu_seqlens: optional int64 ``[N+1]`` document offsets, as :meth:`forward`.
+            cu_seqlens: optional int64 (or int32) ``[N+1]`` document offsets, as :meth:`forward`.
             temperature: a python float > 0; the logits (the lm_head output in the model dtype,
                 cast to FP32) are divided by it before the log-softmax.
             return_entropy: also return each position's entropy.
+            position_ids: documents packed by positions instead of ``cu_seqlens`` (a document
+                starts where they are 0), converted on the host as in the transformers call.
 
         Returns:
             FP32 log-probs of ``input_ids``' shape, or ``(logprobs, entropy)``; differentiable.
             Equal, up to FP32 rounding, to ``log_softmax(model(input_ids).float() / temperature)``
             gathered at ``targets``.
         """
-        _check_input_ids(input_ids)
+        check_input_ids(input_ids)
         if not isinstance(targets, torch.Tensor) or targets.shape != input_ids.shape:
             raise ValueError(f"GLM53Model.token_logprobs: targets must have input_ids' shape "
                              f"{tuple(input_ids.shape)}, got {getattr(targets, 'shape', type(targets).__name__)}")
         prec = resolve_precision(self.precision)
+        cu_seqlens = resolve_documents(input_ids.numel(), input_ids.device, cu_seqlens, position_ids)
         final, _ = self.final_hidden(input_ids, cu_seqlens, prec)
         out = ops.token_logprobs(final, self.lm_head.weight, targets.reshape(-1), temperature=temperature,
                                  return_entropy=return_entropy, batch_invariant=prec.batch_invariant)
