@@ -58,11 +58,23 @@ def check_cp(num_tokens: int, cu_seqlens: torch.Tensor | None, cp: CPContext | N
                          f"global batch), got {num_tokens}")
 
 
-def _check_input_ids(input_ids: torch.Tensor) -> None:
+def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """int64 ``[T]`` or ``[1, T]``; in eager mode (the ids are read: a host synchronisation) every id in
+    ``[0, vocab_size)``, which a compiled forward does not check (the embedding's lookup then fails
+    or reads out of range)."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"GLM53Model: input_ids must be a tensor, got {type(input_ids).__name__}")
     if input_ids.dtype != torch.int64 or input_ids.dim() not in (1, 2) or \
             (input_ids.dim() == 2 and input_ids.shape[0] != 1):
         raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got "
                          f"{input_ids.dtype} {tuple(input_ids.shape)}")
+    tracing = torch.compiler.is_compiling() or isinstance(input_ids, torch._subclasses.FakeTensor) or \
+        (input_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+    if not tracing and input_ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(input_ids))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"GLM53Model: input_ids must be in [0, vocab_size={vocab_size}), got values in "
+                             f"[{lo}, {hi}]")
 
 
 class DecoderLayer(nn.Module):
@@ -151,7 +163,8 @@ class GLM53Model(nn.Module):
         """Logits of packed documents.
 
         Args:
-            input_ids: int64 ``[T]`` or ``[1, T]`` (batch 1: documents are packed); with ``cp``
+            input_ids: int64 ``[T]`` or ``[1, T]`` (batch 1: documents are packed), each in
+                ``[0, vocab_size)`` (``ValueError`` in eager mode; not read when compiled); with ``cp``
                 this rank's ``T_local`` tokens (``cp.shard(global_ids)``).
             cu_seqlens: optional int64 ``[N+1]`` document offsets (0 … T); None = one document.
                 Must be None with ``cp`` (the context holds the global offsets).
@@ -163,7 +176,7 @@ class GLM53Model(nn.Module):
             logits ``[..., T, vocab]`` in the model dtype (leading dims of ``input_ids``), or
             ``(logits, tuple_of_streams)``.
         """
-        _check_input_ids(input_ids)
+        _check_input_ids(input_ids, self.config.vocab_size)
         prec = resolve_precision(self.precision)
         final, hidden = self.final_hidden(input_ids, cu_seqlens, prec, cp=cp)
         logits = linear(self.lm_head, final, prec).view(*input_ids.shape, -1)
@@ -189,7 +202,7 @@ class GLM53Model(nn.Module):
             Equal, up to FP32 rounding, to ``log_softmax(model(input_ids).float() / temperature)``
             gathered at ``targets``.
         """
-        _check_input_ids(input_ids)
+        _check_input_ids(input_ids, self.config.vocab_size)
         if not isinstance(targets, torch.Tensor) or targets.shape != input_ids.shape:
             raise ValueError(f"GLM53Model.token_logprobs: targets must have input_ids' shape "
                              f"{tuple(input_ids.shape)}, got {getattr(targets, 'shape', type(targets).__name__)}")
