@@ -11,6 +11,7 @@ import torch
 
 from fake_impls import (
     batch_invariant,
+    checks,
     fp8_qdq,
     fp32_linear,
     kda,
@@ -26,8 +27,8 @@ from fake_impls import (
 
 __all__ = ["FAMILIES", "register_all"]
 
-FAMILIES = (batch_invariant, fp32_linear, fp8_qdq, kda, kpool, layer_norm_fp32, mhc, mhc_batch_invariant, round_to,
-            sparse_mla, swiglu, token_logprobs)
+FAMILIES = (batch_invariant, checks, fp32_linear, fp8_qdq, kda, kpool, layer_norm_fp32, mhc, mhc_batch_invariant,
+            round_to, sparse_mla, swiglu, token_logprobs)
 _registered: set[str] = set()
 
 

@@ -53,7 +53,7 @@ def kpool_select_fake(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, 
 
 
 def kpool_score_select_fake(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool, layout, budget_mb,
-                            topk, pool_size, tail, batch_invariant):
+                            topk, pool_size, tail, batch_invariant, num_tokens):
     """Output of ``glm53::kpool_score_select``: int32 ``[M, topk + P - 1]``, no data."""
     return q.new_empty(q.shape[0], topk + pool_size - 1, dtype=torch.int32)
 

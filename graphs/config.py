@@ -133,8 +133,10 @@ class GLM53Config:
     def from_hf(cls, hf_config, **changes) -> GLM53Config:
         """Build from a transformers ``Glm5NextTextConfig`` (or ``Glm5NextConfig``: its
         ``text_config``) or a dict of its fields; ``changes`` override (e.g. ``attn_impl``)."""
+        _check_hf_model_type(hf_config)
         if hasattr(hf_config, "text_config") and hf_config.text_config is not None:
             hf_config = hf_config.text_config
+            _check_hf_model_type(hf_config)
         get = hf_config.get if isinstance(hf_config, Mapping) else (lambda k, d=None: getattr(hf_config, k, d))
         if get("qk_rope_head_dim", 0):
             raise ValueError(f"GLM53Config.from_hf: DSA layers are NoPE, qk_rope_head_dim must be 0, "
@@ -159,6 +161,21 @@ class GLM53Config:
         out.update(qk_rope_head_dim=0, num_key_value_heads=self.num_attention_heads, head_dim=0, pad_token_id=None)
         return out
 
+
+# the transformers model types from_hf reads: Glm5NextConfig and its text config
+_HF_MODEL_TYPES = ("glm5_next", "glm5_next_text")
+
+
+def _check_hf_model_type(hf_config) -> None:
+    """``ValueError`` naming the model type (and architectures) of a config that is not glm5_next's;
+    a dict without ``model_type`` passes (its fields are checked by the dataclass)."""
+    get = hf_config.get if isinstance(hf_config, Mapping) else (lambda k, d=None: getattr(hf_config, k, d))
+    model_type = get("model_type", None)
+    if model_type is not None and model_type not in _HF_MODEL_TYPES:
+        arch = get("architectures", None)
+        raise ValueError(f"GLM53Config.from_hf: expects a transformers glm5_next config (model_type one of "
+                         f"{_HF_MODEL_TYPES}), got model_type {model_type!r}"
+                         + (f" (architectures {list(arch)})" if arch else "") + f" ({type(hf_config).__name__})")
 
 # every field's rule (inductor_ext.validation); the rules between fields are in __post_init__
 _POS, _BOOL = v.integer(1), v.boolean()

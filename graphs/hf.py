@@ -54,8 +54,8 @@ def load_hf(cls, hf_model_or_state_dict, config=None, precision=None):
         precision: the :class:`~inductor_ext.PrecisionConfig` the model holds (None = active).
 
     Raises:
-        ValueError: no config for a state dict, or keys that do not match (missing/unexpected
-        names are listed).
+        ValueError: no config for a state dict, a config of another model type than glm5_next
+        (named), or keys that do not match (missing/unexpected names are listed).
     """
     if isinstance(hf_model_or_state_dict, torch.nn.Module):
         state = hf_model_or_state_dict.state_dict()

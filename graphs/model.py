@@ -146,7 +146,8 @@ class GLM53Model(nn.Module):
         ``input_ids`` is passed by name or with any transformers keyword (``model(input_ids=ids, ...)``).
 
         Args:
-            input_ids: int64 ``[T]`` or ``[1, T]`` (batch 1: documents are packed); with ``cp``
+            input_ids: int64 ``[T]`` or ``[1, T]`` (batch 1: documents are packed), each in
+                ``[0, vocab_size)`` (``ValueError`` in eager mode; not read when compiled); with ``cp``
                 this rank's ``T_local`` tokens (``cp.shard(global_ids)``).
             cu_seqlens: optional int64 ``[N+1]`` document offsets (0 … T); None = one document.
                 Must be None with ``cp`` (the context holds the global offsets).
@@ -171,7 +172,7 @@ class GLM53Model(nn.Module):
                 input_ids = hf_kwargs.pop("input_ids")
             return causal_lm_call(self.final_hidden, self.lm_head, prec, input_ids, cu_seqlens=cu_seqlens,
                                   output_hidden_states=output_hidden_states, cp=cp, **hf_kwargs)
-        check_input_ids(input_ids)
+        check_input_ids(input_ids, self.config.vocab_size)
         final, hidden = self.final_hidden(input_ids, cu_seqlens, prec, cp=cp)
         logits = linear(self.lm_head, final, prec).view(*input_ids.shape, -1)
         return (logits, hidden) if output_hidden_states else logits
@@ -199,7 +200,7 @@ class GLM53Model(nn.Module):
             Equal, up to FP32 rounding, to ``log_softmax(model(input_ids).float() / temperature)``
             gathered at ``targets``.
         """
-        check_input_ids(input_ids)
+        check_input_ids(input_ids, self.config.vocab_size)
         if not isinstance(targets, torch.Tensor) or targets.shape != input_ids.shape:
             raise ValueError(f"GLM53Model.token_logprobs: targets must have input_ids' shape "
                              f"{tuple(input_ids.shape)}, got {getattr(targets, 'shape', type(targets).__name__)}")

@@ -39,13 +39,22 @@ _FLASH_OFFSETS = ("cu_seq_lens_q", "cu_seq_lens_k")
 _FLASH_IGNORED = ("max_length_q", "max_length_k")
 
 
-def check_input_ids(input_ids: torch.Tensor) -> None:
-    """``input_ids`` int64 ``[T]`` or ``[1, T]`` (packed documents: batch 1)."""
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int | None = None) -> None:
+    """``input_ids`` int64 ``[T]`` or ``[1, T]`` (packed documents: batch 1); with ``vocab_size``, in
+    eager mode (the ids are read: a host synchronisation) every id in ``[0, vocab_size)``, which a
+    compiled forward does not check (the embedding's lookup then fails or reads out of range)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64 or input_ids.dim() not in (1, 2) \
             or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
         got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else \
             type(input_ids).__name__
         raise ValueError(f"GLM53Model: input_ids must be int64 [T] or [1, T] (packed), got {got}")
+    tracing = torch.compiler.is_compiling() or isinstance(input_ids, torch._subclasses.FakeTensor) or \
+        (input_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+    if vocab_size is not None and not tracing and input_ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(input_ids))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"GLM53Model: input_ids must be in [0, vocab_size={vocab_size}), got values in "
+                             f"[{lo}, {hi}]")
 
 
 def check_options(use_cache=None, cache=None, inputs_embeds=None, extra: dict | None = None) -> None:
@@ -170,7 +179,7 @@ def causal_lm_call(final_hidden, lm_head: torch.nn.Linear, prec, input_ids, *, c
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     check_options(use_cache, cache if cache is not None else extra.pop("past_key_values", None), inputs_embeds)
-    check_input_ids(input_ids)
+    check_input_ids(input_ids, lm_head.weight.shape[0])
     num_items = extra.pop("num_items_in_batch", None)
     cu = resolve_documents(input_ids.numel(), input_ids.device, cu_seqlens, position_ids, attention_mask, extra)
     check_options(extra=extra)

@@ -4,7 +4,8 @@ One module per op family (``kda``, ``kpool``, ``fp32_linear``, ``layer_norm_fp32
 ``fp8_qdq``, ``mhc``, ``mhc_batch_invariant``, ``round_to``, ``sparse_mla``, ``batch_invariant``,
 ``token_logprobs``),
 each holding the family's schemas, kernels, autograd and public wrapper; this package re-exports the
-wrappers. Each wrapper checks its inputs (``ValueError`` naming the rule), resolves a precision
+wrappers. Each wrapper checks its inputs (``ValueError`` naming the rule, compiled with
+``fullgraph=True`` too: :mod:`inductor_ext.ops._checks`), resolves a precision
 argument left ``None`` from the active :class:`~inductor_ext.PrecisionConfig` while tracing (so the
 choice is a literal in the graph) and calls the op. Data-dependent checks (finite gates, sorted
 offsets) synchronise with the host, so they run only in eager mode: never while Dynamo traces or a

@@ -43,6 +43,7 @@ import inductor_ext.ops.round_to  # noqa: F401  (glm53::round_to: a rounding Ind
 from inductor_ext import backends
 from inductor_ext.ops import _checks
 from inductor_ext.ops import batch_invariant_reference as ref
+from inductor_ext.ops._checks import input_error
 
 __all__ = ["bi_linear", "bi_grouped_linear", "bi_rms_norm", "bi_layer_norm", "bi_log_softmax", "bi_row_sum"]
 
@@ -342,7 +343,7 @@ def bi_linear(x, weight, bias=None, *, out_dtype=None):
         Differentiable in every input (deterministic backward by torch.matmul, not batch-invariant;
         see the module docstring).
     """
-    out_dtype = x.dtype if out_dtype is None else out_dtype
+    out_dtype = getattr(x, "dtype", None) if out_dtype is None else out_dtype  # (x checked below)
     ref.validate_bi_linear_inputs(x, weight, bias, out_dtype)
     return torch.ops.glm53.bi_linear(x, weight, bias, out_dtype)
 
@@ -372,11 +373,11 @@ def bi_grouped_linear(x, weight, offs):
     offs: a host sync on CUDA). No host read inside the CUDA op: one graph, CUDA-graph capturable.
     """
     ref.validate_bi_grouped_linear_inputs(x, weight, offs)
-    if _checks.eager():
+    if _checks.eager(offs):
         ends = offs.tolist()
         if any(e < 0 or e > x.shape[0] for e in ends) or any(b < a for a, b in zip(ends, ends[1:])):
-            raise ValueError(f"bi_grouped_linear: offs must be non-decreasing end rows in [0, M={x.shape[0]}], "
-                             f"got {ends}")
+            raise input_error(f"bi_grouped_linear: offs must be non-decreasing end rows in [0, M={x.shape[0]}], "
+                              f"got {ends}")
     return torch.ops.glm53.bi_grouped_linear(x, weight, offs)
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from inductor_ext.ops._checks import input_error, real, tensors
+
 __all__ = [
     "BLOCK_K",
     "ROW_BLOCK",
@@ -126,49 +128,45 @@ def sqrt_rn(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _floats(op: str, **tensors) -> None:
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-        if t.dtype not in FLOATS:
-            raise ValueError(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
-    present = [t for t in tensors.values() if t is not None]
+def _floats(op: str, optional: tuple[str, ...] = (), **named) -> None:
+    tensors(op, optional=optional, **named)
+    for name, t in named.items():
+        if t is not None and t.dtype not in FLOATS:
+            raise input_error(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+    present = [t for t in named.values() if t is not None]
     devices = {t.device for t in present}
     if len(devices) != 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
+        raise input_error(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
     if present[0].device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{op}: tensors must be on cpu or cuda, got {present[0].device}")
+        raise input_error(f"{op}: tensors must be on cpu or cuda, got {present[0].device}")
 
 
 def _last_dim(op: str, x) -> None:
     if x.dim() < 1 or x.shape[-1] < 1:
-        raise ValueError(f"{op}: x must be [..., D] with D >= 1, got {tuple(x.shape)}")
+        raise input_error(f"{op}: x must be [..., D] with D >= 1, got {tuple(x.shape)}")
 
 
 def _vector(op: str, name: str, t, d: int) -> None:
     if t is not None and tuple(t.shape) != (d,):
-        raise ValueError(f"{op}: {name} must be [D={d}], got {tuple(t.shape)}")
+        raise input_error(f"{op}: {name} must be [D={d}], got {tuple(t.shape)}")
 
 
 def _eps(op: str, eps) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{op}: eps must be a float > 0, got {eps!r}")
+    real(op, "eps", eps, gt=0)
 
 
 def validate_bi_linear_inputs(x, weight, bias, out_dtype) -> None:
     """``x [..., K]``, ``weight [N, K]``, optional ``bias [N]`` (float dtypes, one device, K, N >= 1);
     ``out_dtype`` a float dtype. ``ValueError`` naming the rule."""
     op = "bi_linear"
-    _floats(op, x=x, weight=weight, bias=bias)
+    _floats(op, ("bias",), x=x, weight=weight, bias=bias)
     _last_dim(op, x)
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] < 1:
-        raise ValueError(f"{op}: weight must be [N >= 1, K={x.shape[-1]}], got {tuple(weight.shape)}")
+        raise input_error(f"{op}: weight must be [N >= 1, K={x.shape[-1]}], got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{op}: bias must be [N={weight.shape[0]}], got {tuple(bias.shape)}")
+        raise input_error(f"{op}: bias must be [N={weight.shape[0]}], got {tuple(bias.shape)}")
     if out_dtype not in FLOATS:
-        raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+        raise input_error(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
 
 
 def validate_bi_grouped_linear_inputs(x, weight, offs) -> None:
@@ -176,19 +174,18 @@ def validate_bi_grouped_linear_inputs(x, weight, offs) -> None:
     ``[E]``, all on one device. Static only: the offsets' values are checked by the wrapper in eager
     mode (non-decreasing, within [0, M]). ``ValueError`` naming the rule."""
     op = "bi_grouped_linear"
+    tensors(op, offs=offs)
     _floats(op, x=x, weight=weight)
     if x.dim() != 2 or x.shape[1] < 1:
-        raise ValueError(f"{op}: x must be [M, K] with K >= 1, got {tuple(x.shape)}")
+        raise input_error(f"{op}: x must be [M, K] with K >= 1, got {tuple(x.shape)}")
     if weight.dim() != 3 or weight.shape[0] < 1 or weight.shape[1] < 1 or weight.shape[2] != x.shape[1]:
-        raise ValueError(f"{op}: weight must be [E >= 1, N >= 1, K={x.shape[1]}], got {tuple(weight.shape)}")
-    if not isinstance(offs, torch.Tensor):
-        raise ValueError(f"{op}: offs must be a tensor, got {type(offs).__name__}")
+        raise input_error(f"{op}: weight must be [E >= 1, N >= 1, K={x.shape[1]}], got {tuple(weight.shape)}")
     if offs.dtype != torch.int32:
-        raise ValueError(f"{op}: offs must be int32 (the end row of each group), got {offs.dtype}")
+        raise input_error(f"{op}: offs must be int32 (the end row of each group), got {offs.dtype}")
     if tuple(offs.shape) != (weight.shape[0],):
-        raise ValueError(f"{op}: offs must be [E={weight.shape[0]}], got {tuple(offs.shape)}")
+        raise input_error(f"{op}: offs must be [E={weight.shape[0]}], got {tuple(offs.shape)}")
     if offs.device != x.device:
-        raise ValueError(f"{op}: all tensors must be on one device, got {x.device} and offs on {offs.device}")
+        raise input_error(f"{op}: all tensors must be on one device, got {x.device} and offs on {offs.device}")
 
 
 def validate_bi_rms_norm_inputs(x, weight, eps) -> None:
@@ -203,7 +200,7 @@ def validate_bi_rms_norm_inputs(x, weight, eps) -> None:
 def validate_bi_layer_norm_inputs(x, weight, bias, eps) -> None:
     """``x [..., D]``, optional ``weight [D]`` and ``bias [D]`` (float dtypes, one device), ``eps > 0``."""
     op = "bi_layer_norm"
-    _floats(op, x=x, weight=weight, bias=bias)
+    _floats(op, ("weight", "bias"), x=x, weight=weight, bias=bias)
     _last_dim(op, x)
     _vector(op, "weight", weight, x.shape[-1])
     _vector(op, "bias", bias, x.shape[-1])

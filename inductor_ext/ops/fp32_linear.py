@@ -12,32 +12,35 @@ from __future__ import annotations
 
 import torch
 
+from inductor_ext.ops._checks import input_error, tensors
+
 __all__ = ["fp32_linear", "fp32_linear_reference", "validate_fp32_linear_inputs"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def validate_fp32_linear_inputs(x, weight, bias) -> None:
-    """Static checks (shapes, dtypes, devices); raise ``ValueError`` naming the rule."""
-    tensors = {"x": x, "weight": weight}
+    """Static checks (types, shapes, dtypes, devices); raise ``ValueError`` naming the rule."""
+    tensors("fp32_linear", optional=("bias",), x=x, weight=weight, bias=bias)
+    named = {"x": x, "weight": weight}
     if bias is not None:
-        tensors["bias"] = bias
-    for name, t in tensors.items():
+        named["bias"] = bias
+    for name, t in named.items():
         if t.dtype not in _FLOATS:
-            raise ValueError(f"fp32_linear: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+            raise input_error(f"fp32_linear: {name} must be bfloat16, float16 or float32, got {t.dtype}")
     if x.dim() < 1:
-        raise ValueError("fp32_linear: x must have at least one dimension [..., in_features]")
+        raise input_error("fp32_linear: x must have at least one dimension [..., in_features]")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(
+        raise input_error(
             f"fp32_linear: weight must be [out_features, in_features={x.shape[-1]}], got {tuple(weight.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"fp32_linear: bias must be [out_features={weight.shape[0]}], got {tuple(bias.shape)}")
-    devices = {t.device for t in tensors.values()}
+        raise input_error(f"fp32_linear: bias must be [out_features={weight.shape[0]}], got {tuple(bias.shape)}")
+    devices = {t.device for t in named.values()}
     if len(devices) != 1:
-        raise ValueError(f"fp32_linear: all tensors must be on one device, got {sorted(map(str, devices))}")
+        raise input_error(f"fp32_linear: all tensors must be on one device, got {sorted(map(str, devices))}")
     if x.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"fp32_linear: tensors must be on cpu or cuda, got {x.device}")
+        raise input_error(f"fp32_linear: tensors must be on cpu or cuda, got {x.device}")
 
 
 def fp32_linear_reference(x, weight, bias):

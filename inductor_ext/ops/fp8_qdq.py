@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from inductor_ext.ops._checks import input_error, tensors
+
 __all__ = ["fp8_qdq", "GROUP", "FP8_MAX", "AMAX_FLOOR", "SCALE_FMTS", "e4m3_cast", "fp8_qdq_reference", "pow2_ceil",
            "pow2_reciprocal", "scaled_quotient", "validate_fp8_qdq_inputs"]
 
@@ -31,17 +33,18 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def validate_fp8_qdq_inputs(x, scale_fmt) -> None:
-    """Static checks (scale format, dtype, device, last dim % 128); raise ``ValueError``."""
+    """Static checks (a tensor, scale format, dtype, device, last dim % 128); raise ``ValueError``."""
+    tensors("fp8_qdq", x=x)
     if scale_fmt not in SCALE_FMTS:
-        raise ValueError(f"fp8_qdq: scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+        raise input_error(f"fp8_qdq: scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
     if x.dtype not in _FLOATS:
-        raise ValueError(f"fp8_qdq: x must be bfloat16, float16 or float32, got {x.dtype}")
+        raise input_error(f"fp8_qdq: x must be bfloat16, float16 or float32, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] % GROUP != 0:
-        raise ValueError(
+        raise input_error(
             f"fp8_qdq: the last dim must be divisible by the group size {GROUP}, got shape {tuple(x.shape)}"
         )
     if x.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"fp8_qdq: x must be on cpu or cuda, got {x.device}")
+        raise input_error(f"fp8_qdq: x must be on cpu or cuda, got {x.device}")
 
 
 def pow2_ceil(r: torch.Tensor) -> torch.Tensor:

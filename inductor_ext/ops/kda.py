@@ -13,7 +13,7 @@ import torch
 
 from inductor_ext import backends
 from inductor_ext.config import active_config
-from inductor_ext.ops._checks import eager
+from inductor_ext.ops._checks import check_cu_seqlens, eager
 from inductor_ext.ops.kda_reference import (
     FP32_KERNEL_MAX_DIM,
     check_kda_values,
@@ -142,10 +142,14 @@ _kda_chunk_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _kda_args(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision):
-    validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, precision)
-    if eager():
-        check_kda_values(g, cu_seqlens, q.shape[1])
-    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+    """Static checks always; data checks (g, beta, cu_seqlens values) in eager mode, where they read
+    the data; traced or captured, the cu_seqlens values are asserted on the device instead."""
+    scale = validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, precision, scale)
+    if eager(g, beta, cu_seqlens):
+        check_kda_values(g, beta, cu_seqlens, q.shape[1])
+    elif cu_seqlens is not None:
+        check_cu_seqlens("kda", cu_seqlens, q.shape[1])
+    return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, precision=None):
@@ -155,8 +159,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
         q, k: ``[B,T,H,K]`` bf16 or fp32 (same dtype), L2-normalized inside; K <= 256.
         v: ``[B,T,H,V]`` bf16 or fp32.
         g: ``[B,T,H,K]`` fp32 log-decay (<= 0, already activated), finite.
-        beta: ``[B,T,H]`` bf16 or fp32.
-        scale: query scale, default ``K ** -0.5``.
+        beta: ``[B,T,H]`` bf16 or fp32, the write strength, in [0, 1] (a sigmoid in the layer).
+        scale: query scale, a finite number > 0; default ``K ** -0.5``.
         initial_state: optional fp32 ``[N,H,K,V]``.
         cu_seqlens: optional int64 ``[N+1]`` document offsets (0 ... T, non-decreasing); needs B = 1.
         precision: ``"bf16"`` (flash-linear-attention's BF16 intermediates) or ``"fp32"`` (inputs
@@ -168,6 +172,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
     Returns:
         ``(o, final_state)``: o ``[B,T,H,V]`` in v's dtype, final_state fp32 ``[N,H,K,V]``
         (N = B without cu_seqlens). Differentiable in q, k, v, g, beta and initial_state.
+
+    Checks: types, shapes, dtypes, devices and ``scale`` always (``ValueError``, compiled too); the
+    data rules (g finite and <= 0, beta in [0, 1], the cu_seqlens values) in eager mode only, as
+    they read the data (a host synchronisation). Traced or captured, the cu_seqlens values are
+    asserted on the device (``RuntimeError``; on CUDA a device-side assert).
     """
     precision = active_config().kda if precision is None else precision
     scale = _kda_args(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)

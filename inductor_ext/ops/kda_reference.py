@@ -5,9 +5,11 @@ A leaf module: the op definitions (:mod:`inductor_ext.ops.kda`), the fake kernel
 kernels import it; it imports no kernel.
 
 Contract (``docs/DESIGN.md`` §4). q, k ``[B,T,H,K]``; v ``[B,T,H,V]``; g ``[B,T,H,K]`` float32
-log-decay (≤ 0, already activated); beta ``[B,T,H]``; optional initial_state float32 ``[N,H,K,V]``;
-optional cu_seqlens int64 ``[N+1]`` for packed documents (then B = 1). q and k are L2-normalized
-inside the op, ``x / sqrt(Σx² + 1e-6)``. Per token::
+log-decay (finite, ≤ 0, already activated); beta ``[B,T,H]`` in [0, 1] (the layer's sigmoid; the
+serving engine's too; any β in [0, 2] keeps ``I − β k kᵀ`` non-expansive, but only [0, 1] is the
+contract); scale a finite number > 0; optional initial_state float32 ``[N,H,K,V]``; optional
+cu_seqlens int64 ``[N+1]`` for packed documents (then B = 1), non-decreasing from 0 to T. q and k
+are L2-normalized inside the op, ``x / sqrt(Σx² + 1e-6)``. Per token::
 
     S' = Diag(exp g_t) S_{t-1};  S_t = S' + β_t k_t (v_t − S'ᵀ k_t)ᵀ;  o_t = S_tᵀ (scale · q_t)
 
@@ -38,7 +40,7 @@ import math
 import torch
 
 from inductor_ext.config import KDA_PRECISIONS as PRECISIONS
-from inductor_ext.ops._checks import check_cu_seqlens_values
+from inductor_ext.ops._checks import check_cu_seqlens_values, input_error, real, tensors
 
 # the op's precision argument: the config's values, plus "fp32_causal", which the layers pass for
 # kda="fp32" under PrecisionConfig.batch_invariant: the same FP32 arithmetic (the reference kernels
@@ -80,62 +82,76 @@ _LOG2E = 1.0 / math.log(2.0)
 # ---------------------------------------------------------------------------------------------
 
 
-def validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, precision) -> None:
-    """Static checks (shapes, dtypes, devices, precision); raise ``ValueError`` naming the rule."""
+def validate_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, precision, scale=None) -> float | None:
+    """Static checks (types, shapes, dtypes, devices, precision, ``scale`` a finite number > 0 when
+    given); raise ``ValueError`` naming the rule. Returns ``scale`` as a float (``None`` stays)."""
+    tensors("kda", optional=("initial_state", "cu_seqlens"), q=q, k=k, v=v, g=g, beta=beta,
+            initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if scale is not None:
+        scale = real("kda", "scale", scale, gt=0)
     if precision not in OP_PRECISIONS:
-        raise ValueError(f"kda precision must be one of {OP_PRECISIONS}, got {precision!r}")
+        raise input_error(f"kda precision must be one of {OP_PRECISIONS}, got {precision!r}")
     if q.dim() != 4:
-        raise ValueError(f"kda: q must be [B,T,H,K], got shape {tuple(q.shape)}")
+        raise input_error(f"kda: q must be [B,T,H,K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
     if k.shape != q.shape:
-        raise ValueError(f"kda: k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+        raise input_error(f"kda: k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"kda: v must be [B,T,H,V] with B,T,H = {B},{T},{H}, got {tuple(v.shape)}")
+        raise input_error(f"kda: v must be [B,T,H,V] with B,T,H = {B},{T},{H}, got {tuple(v.shape)}")
     if g.shape != q.shape:
-        raise ValueError(f"kda: g must be [B,T,H,K] = {tuple(q.shape)}, got {tuple(g.shape)}")
+        raise input_error(f"kda: g must be [B,T,H,K] = {tuple(q.shape)}, got {tuple(g.shape)}")
     if beta.shape != q.shape[:3]:
-        raise ValueError(f"kda: beta must be [B,T,H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+        raise input_error(f"kda: beta must be [B,T,H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
     if K > MAX_HEAD_DIM:
-        raise ValueError(f"kda: head dim K must be <= {MAX_HEAD_DIM}, got {K}")
+        raise input_error(f"kda: head dim K must be <= {MAX_HEAD_DIM}, got {K}")
     floats = (torch.bfloat16, torch.float32)
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if t.dtype not in floats:
-            raise ValueError(f"kda: {name} must be bfloat16 or float32, got {t.dtype}")
+            raise input_error(f"kda: {name} must be bfloat16 or float32, got {t.dtype}")
     if k.dtype != q.dtype:
-        raise ValueError(f"kda: q and k must share a dtype, got {q.dtype} and {k.dtype}")
+        raise input_error(f"kda: q and k must share a dtype, got {q.dtype} and {k.dtype}")
     if g.dtype != torch.float32:
-        raise ValueError(f"kda: g (log-decay) must be float32, got {g.dtype}")
-    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+        raise input_error(f"kda: g (log-decay) must be float32, got {g.dtype}")
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     if cu_seqlens is not None:
         if cu_seqlens.dtype != torch.int64 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(
+            raise input_error(
                 f"kda: cu_seqlens must be a 1-D int64 tensor of N+1 >= 2 offsets, got "
                 f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
             )
         if B != 1:
-            raise ValueError(f"kda: batch must be 1 when cu_seqlens packs documents, got B={B}")
-        tensors["cu_seqlens"] = cu_seqlens
+            raise input_error(f"kda: batch must be 1 when cu_seqlens packs documents, got B={B}")
+        named["cu_seqlens"] = cu_seqlens
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if initial_state is not None:
         expected = (N, H, K, v.shape[-1])
         if initial_state.dtype != torch.float32 or tuple(initial_state.shape) != expected:
-            raise ValueError(
+            raise input_error(
                 f"kda: initial_state must be float32 [N,H,K,V] = {expected}, got "
                 f"{initial_state.dtype} {tuple(initial_state.shape)}"
             )
-        tensors["initial_state"] = initial_state
-    devices = {t.device for t in tensors.values()}
+        named["initial_state"] = initial_state
+    devices = {t.device for t in named.values()}
     if len(devices) != 1:
-        raise ValueError(f"kda: all tensors must be on one device, got {sorted(map(str, devices))}")
+        raise input_error(f"kda: all tensors must be on one device, got {sorted(map(str, devices))}")
     if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"kda: tensors must be on cpu or cuda, got {q.device}")
+        raise input_error(f"kda: tensors must be on cpu or cuda, got {q.device}")
+    return scale
 
 
-def check_kda_values(g, cu_seqlens, T: int) -> None:
+def check_kda_values(g, beta, cu_seqlens, T: int) -> None:
     """Data checks (host synchronising, so the public wrappers run them only in eager mode):
-    a finite gate and sorted, in-range ``cu_seqlens`` that start at 0 and end at T."""
-    if not bool(torch.isfinite(g).all()):
-        raise ValueError("kda: g (log-decay) must be finite")
+    a finite gate ``g <= 0`` (a decay, ``exp(g) <= 1``), ``0 <= beta <= 1`` (the layer's sigmoid
+    write strength; NaN refused) and sorted, in-range ``cu_seqlens`` that start at 0 and end at T."""
+    g_finite, g_decay, beta_ok = torch.stack(
+        (torch.isfinite(g).all(), (g <= 0).all(), ((beta >= 0) & (beta <= 1)).all())).tolist()
+    if not g_finite:
+        raise input_error("kda: g (log-decay) must be finite")
+    if not g_decay:
+        raise input_error(f"kda: g (log-decay) must be <= 0 (a decay exp(g) <= 1), got max {g.max().item()}")
+    if not beta_ok:
+        raise input_error("kda: beta must lie in [0, 1] (the write strength, a sigmoid), got values in "
+                          f"[{beta.min().item()}, {beta.max().item()}]")
     if cu_seqlens is not None:
         check_cu_seqlens_values("kda", cu_seqlens, T)
 
@@ -198,6 +214,9 @@ def _chunk_document(qn, kn, v, g, beta, scale, state, rnd):
 def _documents(T: int, cu_seqlens):
     if cu_seqlens is None:
         return [(0, T)]
+    # the kernel reads the offsets anyway: a compiled call whose offsets miss T fails here, never
+    # returning an output of another length than the fake's (T rows)
+    check_cu_seqlens_values("kda", cu_seqlens, T)
     cu = cu_seqlens.tolist()
     return list(zip(cu[:-1], cu[1:]))
 

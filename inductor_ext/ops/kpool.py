@@ -22,7 +22,7 @@ from inductor_ext import backends, workspace
 from inductor_ext.config import KPOOL_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
 from inductor_ext.ops import kpool_reference as ref
-from inductor_ext.ops._checks import check_cu_seqlens_values, eager
+from inductor_ext.ops._checks import check_cu_seqlens, eager, input_error, integer, real, tensors
 from inductor_ext.ops.batch_invariant import bi_linear
 from inductor_ext.ops.ordered import ordered_sum
 
@@ -40,6 +40,8 @@ __all__ = [
     "check_tensor",
     "check_same_device",
     "check_pool_geometry",
+    "check_heads",
+    "check_positive_int",
     "FLOAT_DTYPES",
     "INDEXER_EPS",
     "INDEXER_SCALE_FMT",
@@ -134,53 +136,64 @@ _register_cuda(_kpool_select_op, "kpool_select", ref.select_reference, "kpool_se
 def check_choice(name: str, value, allowed) -> None:
     """``ValueError`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
-        raise ValueError(f"kpool: {name} must be one of {allowed}, got {value!r}")
+        raise input_error(f"kpool: {name} must be one of {allowed}, got {value!r}")
 
 
 def check_tensor(name: str, t, *, dims: int | None = None, dtypes=None, shape=None) -> None:
     """``ValueError`` unless ``t`` is a cpu/cuda tensor with the given rank, shape and dtype (each optional)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"kpool: {name} must be a tensor, got {type(t).__name__}")
+    tensors("kpool", **{name: t})
     if dims is not None and t.dim() != dims:
-        raise ValueError(f"kpool: {name} must be {dims}-D, got shape {tuple(t.shape)}")
+        raise input_error(f"kpool: {name} must be {dims}-D, got shape {tuple(t.shape)}")
     if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"kpool: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+        raise input_error(f"kpool: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"kpool: {name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        raise input_error(f"kpool: {name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if t.device.type not in _DEVICES:
-        raise ValueError(f"kpool: {name} must be on cpu or cuda, got {t.device}")
+        raise input_error(f"kpool: {name} must be on cpu or cuda, got {t.device}")
 
 
 def check_same_device(**tensors) -> None:
     """``ValueError`` unless the given tensors (``None`` skipped) share one device."""
     devices = {t.device for t in tensors.values() if t is not None}
     if len(devices) > 1:
-        raise ValueError(f"kpool: {sorted(tensors)} must be on one device, got {sorted(map(str, devices))}")
+        raise input_error(f"kpool: {sorted(tensors)} must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_heads(heads, source: str) -> None:
+    """``ValueError`` unless the indexer's head count (``source`` says where it comes from) is one the
+    scorer's workspace supports (:data:`inductor_ext.workspace.SUPPORTED_HEADS`)."""
+    if heads not in workspace.SUPPORTED_HEADS:
+        raise input_error(f"kpool: heads must be one of {workspace.SUPPORTED_HEADS} (H = {source}), got {heads!r}")
+
+
+def check_positive_int(name: str, value) -> None:
+    """``ValueError`` unless ``value`` is a python int > 0 (not ``bool``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise input_error(f"kpool: {name} must be a positive int, got {value!r}")
 
 
 def check_pool_geometry(topk, pool_size) -> None:
     """``ValueError`` unless both are positive ints and ``pool_size`` divides ``topk``."""
-    for name, v in (("topk", topk), ("pool_size", pool_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"kpool: {name} must be a positive int, got {v!r}")
+    check_positive_int("topk", topk)
+    check_positive_int("pool_size", pool_size)
     if topk % pool_size:
-        raise ValueError(f"kpool: topk ({topk}) must be divisible by pool_size ({pool_size})")
+        raise input_error(f"kpool: topk ({topk}) must be divisible by pool_size ({pool_size})")
 
 
 def _int64_rows(name: str, t, rows) -> None:
     check_tensor(name, t, dims=1, dtypes=(torch.int64,))
     if t.shape[0] != rows:
-        raise ValueError(f"kpool: {name} must have {rows} rows, got {t.shape[0]}")
+        raise input_error(f"kpool: {name} must have {rows} rows, got {t.shape[0]}")
 
 
 def validate_cu_seqlens(cu_seqlens, num_tokens: int) -> None:
-    """``cu_seqlens`` must be int64 [N+1] (N >= 1); in eager mode also non-decreasing from 0 to T
-    (a host-synchronising data check, skipped while tracing or capturing)."""
+    """``cu_seqlens`` must be int64 [N+1] (N >= 1) and non-decreasing from 0 to T: in eager mode a
+    host-synchronising data check, while tracing or capturing a device assertion
+    (:func:`~inductor_ext.ops._checks.check_cu_seqlens`)."""
     check_tensor("cu_seqlens", cu_seqlens, dims=1, dtypes=(torch.int64,))
     if cu_seqlens.shape[0] < 2:
-        raise ValueError(f"kpool: cu_seqlens must hold N+1 >= 2 offsets, got {cu_seqlens.shape[0]}")
-    if eager():
-        check_cu_seqlens_values("kpool", cu_seqlens, num_tokens)
+        raise input_error(f"kpool: cu_seqlens must hold N+1 >= 2 offsets, got {cu_seqlens.shape[0]}")
+    check_cu_seqlens("kpool", cu_seqlens, num_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +217,7 @@ def kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate
     Returns:
         ``(k [T,D], gate [T,D])`` in x's dtype and ``w [T,H]`` fp32. Autocast is off inside.
     """
-    head_proj = _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj)
+    head_proj = _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj, eps)
     out = torch.ops.glm53.kpool_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
                                         float(eps), head_proj)
     return out[0], out[1], out[2]
@@ -216,26 +229,29 @@ def kpool_project_batch_invariant(x, wk, k_norm_weight, k_norm_bias, weights_pro
     batch-invariant ``glm53::bi_linear`` products (FP32 accumulation in fixed K blocks, one
     rounding), so each row is bitwise independent of the other rows of the call; the LayerNorm is
     per row. ``PrecisionConfig.batch_invariant``'s indexer (``docs/DESIGN.md`` §9)."""
-    head_proj = _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj)
+    head_proj = _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj, eps)
     return ref.project_reference(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, float(eps), head_proj,
                                  linear=bi_linear)
 
 
-def _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj) -> str:
+def _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj, eps) -> str:
     """The projection's input rules; returns ``head_proj`` (``None`` → the active config's)."""
     head_proj = active_config().head_proj if head_proj is None else head_proj
+    tensors("kpool", x=x, wk=wk, k_norm_weight=k_norm_weight, k_norm_bias=k_norm_bias, weights_proj=weights_proj,
+            compress_gate=compress_gate)
     check_choice("head_proj", head_proj, HEAD_PROJ)
+    real("kpool", "eps", eps, gt=0)
     check_tensor("x", x, dims=2, dtypes=FLOAT_DTYPES)
     hidden = x.shape[1]
     check_tensor("wk", wk, dims=2, dtypes=(x.dtype,))
     D = wk.shape[0]
     if D != ref.HEAD_DIM:
-        raise ValueError(f"kpool: index head dim must be {ref.HEAD_DIM}, got wk of shape {tuple(wk.shape)}")
+        raise input_error(f"kpool: index head dim must be {ref.HEAD_DIM}, got wk of shape {tuple(wk.shape)}")
     check_tensor("wk", wk, shape=(D, hidden))
     check_tensor("compress_gate", compress_gate, dtypes=(x.dtype,), shape=(D, hidden))
     check_tensor("weights_proj", weights_proj, dims=2, dtypes=(x.dtype,))
     if weights_proj.shape[1] != hidden:
-        raise ValueError(f"kpool: weights_proj must be [H, {hidden}], got {tuple(weights_proj.shape)}")
+        raise input_error(f"kpool: weights_proj must be [H, {hidden}], got {tuple(weights_proj.shape)}")
     check_tensor("k_norm_weight", k_norm_weight, dtypes=FLOAT_DTYPES, shape=(D,))
     check_tensor("k_norm_bias", k_norm_bias, dtypes=FLOAT_DTYPES, shape=(D,))
     check_same_device(x=x, wk=wk, compress_gate=compress_gate, weights_proj=weights_proj,
@@ -251,7 +267,8 @@ def kpool_layout(cu_seqlens, num_tokens: int, pool_size: int):
     S = T // P: pool p of a document covers its tokens P·p .. P·p+P-1; only complete pools exist;
     pool p is selectable at document position t iff p < (t+1)//P.
     """
-    check_pool_geometry(pool_size, pool_size)
+    check_positive_int("pool_size", pool_size)
+    integer("kpool", "num_tokens", num_tokens, ge=0)
     validate_cu_seqlens(cu_seqlens, num_tokens)
     return ref.layout_reference(cu_seqlens, num_tokens, pool_size)
 
@@ -270,18 +287,24 @@ def kpool_compress(k, gate, ape, pool_token, *, mode):
 
     Returns:
         ``(pool [S,128], scale [S] fp32)``: pool bf16 (scale 1) or float8_e4m3fn; unused slots are
-        zeros with scale 0.
+        zeros with scale 0. A pool token must be -1 or in ``[0, T - P]`` (a pool's P tokens are rows
+        of k): checked in eager mode only (it reads the data).
     """
     check_choice("mode", mode, ref.COMPRESS_MODES)
     check_tensor("k", k, dims=2, dtypes=(torch.bfloat16,))
     check_tensor("gate", gate, dtypes=(torch.bfloat16,), shape=k.shape)
     if k.shape[1] != ref.HEAD_DIM:
-        raise ValueError(f"kpool: k must be [T, {ref.HEAD_DIM}], got {tuple(k.shape)}")
+        raise input_error(f"kpool: k must be [T, {ref.HEAD_DIM}], got {tuple(k.shape)}")
     check_tensor("ape", ape, dims=2, dtypes=FLOAT_DTYPES)
     if ape.shape[1] != ref.HEAD_DIM or ape.shape[0] < 1:
-        raise ValueError(f"kpool: ape must be [P, {ref.HEAD_DIM}] with P >= 1, got {tuple(ape.shape)}")
+        raise input_error(f"kpool: ape must be [P, {ref.HEAD_DIM}] with P >= 1, got {tuple(ape.shape)}")
     check_tensor("pool_token", pool_token, dims=1, dtypes=(torch.int64,))
     check_same_device(k=k, gate=gate, ape=ape, pool_token=pool_token)
+    if eager(pool_token) and pool_token.numel():
+        T, P = k.shape[0], ape.shape[0]
+        if not bool(((pool_token == -1) | ((pool_token >= 0) & (pool_token <= T - P))).all()):
+            raise input_error(f"kpool: pool_token must be -1 or in [0, T-P={T - P}] (a pool's {P} tokens are rows "
+                              f"of k [T={T}]), got values in [{pool_token.min().item()}, {pool_token.max().item()}]")
     out = torch.ops.glm53.kpool_compress(k, gate, ape, pool_token, mode)
     return out[0], out[1]
 
@@ -297,7 +320,7 @@ def kpool_quant_query(q, w, *, scale_fmt=INDEXER_SCALE_FMT):
     check_choice("scale_fmt", scale_fmt, ref.SCALE_FMTS)
     check_tensor("q", q, dims=3, dtypes=(torch.bfloat16,))
     if q.shape[2] != ref.HEAD_DIM:
-        raise ValueError(f"kpool: q must be [T, H, {ref.HEAD_DIM}], got {tuple(q.shape)}")
+        raise input_error(f"kpool: q must be [T, H, {ref.HEAD_DIM}], got {tuple(q.shape)}")
     check_tensor("w", w, dtypes=(torch.float32,), shape=q.shape[:2])
     check_same_device(q=q, w=w)
     out = torch.ops.glm53.kpool_quant_query(q, w, scale_fmt)
@@ -352,18 +375,18 @@ def _check_logits(q, w, pool, pool_scale, precision) -> None:
     qdtype = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
     check_tensor("q", q, dims=3, dtypes=(qdtype,))
     M, H, D = q.shape
-    workspace.mqa_row_block(H)
+    check_heads(H, "q.shape[1]")
     if D != ref.HEAD_DIM:
-        raise ValueError(f"kpool: q must be [M, H, {ref.HEAD_DIM}], got {tuple(q.shape)}")
+        raise input_error(f"kpool: q must be [M, H, {ref.HEAD_DIM}], got {tuple(q.shape)}")
     check_tensor("w", w, dtypes=(torch.float32,), shape=(M, H))
     check_tensor("pool", pool, dims=2, dtypes=(qdtype,))
     if pool.shape[1] != D:
-        raise ValueError(f"kpool: pool must be [S, {D}], got {tuple(pool.shape)}")
+        raise input_error(f"kpool: pool must be [S, {D}], got {tuple(pool.shape)}")
     check_tensor("pool_scale", pool_scale, dtypes=(torch.float32,), shape=pool.shape[:1])
     check_same_device(q=q, w=w, pool=pool, pool_scale=pool_scale)
 
 
-def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, tail="compact"):
+def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, tail="compact", num_tokens=None):
     """Causal group selection and token expansion, ``glm53::kpool_select``.
 
     Args:
@@ -372,6 +395,12 @@ def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, ta
         topk: selected tokens (multiple of pool_size); pool_size: P.
         tail: ``"compact"`` (tail right after the selected pools, serving order) or ``"fixed"``
             (tail at columns topk .. topk+P-2).
+        num_tokens: optional T, the number of tokens the ids index (the op cannot know it).
+
+    In eager mode (it reads the rows: a host synchronisation) the rows must be a layout's: q_lo,
+    q_n >= 0, ``q_lo + q_n <= S``, ``0 <= tail_len < P``, a document start ``tail_start - P·q_n
+    >= 0`` and, with ``num_tokens``, ``tail_start + tail_len <= num_tokens`` (every id < T);
+    ``ValueError`` otherwise, so no id beyond T is emitted.
 
     Returns:
         int32 ``[M, topk + P - 1]`` global token ids: the P tokens of each of the top
@@ -386,4 +415,24 @@ def kpool_select(logits, q_lo, q_n, tail_start, tail_len, *, topk, pool_size, ta
     for name, t in (("q_lo", q_lo), ("q_n", q_n), ("tail_start", tail_start), ("tail_len", tail_len)):
         _int64_rows(name, t, M)
     check_same_device(logits=logits, q_lo=q_lo, q_n=q_n, tail_start=tail_start, tail_len=tail_len)
+    if num_tokens is not None:
+        integer("kpool", "num_tokens", num_tokens, ge=0)
+    if eager(q_lo, q_n, tail_start, tail_len) and M:
+        _check_select_rows(logits.shape[1], q_lo, q_n, tail_start, tail_len, pool_size, num_tokens)
     return torch.ops.glm53.kpool_select(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail)
+
+
+def _check_select_rows(S, q_lo, q_n, tail_start, tail_len, P, num_tokens) -> None:
+    """The data rules of :func:`kpool_select`'s rows (eager mode only: reads them)."""
+    doc_start = tail_start - P * q_n
+    ok = (q_lo >= 0) & (q_n >= 0) & (q_lo + q_n <= S) & (tail_len >= 0) & (tail_len < P) & (doc_start >= 0)
+    if num_tokens is not None:
+        ok &= tail_start + tail_len <= num_tokens
+    bad = (~ok).nonzero()
+    if bad.numel():
+        r = int(bad[0, 0])
+        bound = f"{num_tokens}" if num_tokens is not None else "T"
+        raise input_error(
+            f"kpool: kpool_select rows must be a layout's (q_lo, q_n >= 0, q_lo + q_n <= S={S}, 0 <= tail_len < "
+            f"P={P}, tail_start - P*q_n >= 0, tail_start + tail_len <= num_tokens={bound}); row {r} has q_lo="
+            f"{int(q_lo[r])}, q_n={int(q_n[r])}, tail_start={int(tail_start[r])}, tail_len={int(tail_len[r])}")

@@ -13,6 +13,7 @@ from inductor_ext import workspace
 from inductor_ext.config import KPOOL_POOLINGS as POOLINGS
 from inductor_ext.config import active_config
 from inductor_ext.ops import kpool_reference as ref
+from inductor_ext.ops._checks import input_error, tensors
 from inductor_ext.ops.batch_invariant import bi_linear
 from inductor_ext.ops.kpool import (
     FLOAT_DTYPES,
@@ -21,7 +22,9 @@ from inductor_ext.ops.kpool import (
     PRECISIONS,
     TAILS,
     check_choice,
+    check_heads,
     check_pool_geometry,
+    check_positive_int,
     check_same_device,
     check_tensor,
     kpool_compress,
@@ -84,25 +87,27 @@ def kpool_indexer(
     P = pool_size
     kpool, kpool_pooling, head_proj, layout, budget_mb = indexer_precision(
         kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
+    tensors("kpool", optional=("cu_seqlens",), x=x, q_resid=q_resid, wq_b=wq_b, wk=wk, k_norm_weight=k_norm_weight,
+            k_norm_bias=k_norm_bias, weights_proj=weights_proj, compress_gate=compress_gate,
+            compress_ape=compress_ape, cu_seqlens=cu_seqlens)
     check_choice("kpool", kpool, PRECISIONS)
     check_choice("kpool_pooling", kpool_pooling, POOLINGS)
     check_choice("mqa_layout", layout, workspace.LAYOUTS)
     check_choice("scale_fmt", scale_fmt, ref.SCALE_FMTS)
     check_choice("tail", tail, TAILS)
     check_pool_geometry(topk, P)
-    if isinstance(budget_mb, bool) or not isinstance(budget_mb, int) or budget_mb <= 0:
-        raise ValueError(f"kpool: logits_budget_mb must be a positive int, got {budget_mb!r}")
+    check_positive_int("logits_budget_mb", budget_mb)
     check_tensor("x", x, dims=2, dtypes=FLOAT_DTYPES)
     T = x.shape[0]
     if T < 1:
-        raise ValueError("kpool: the indexer needs at least one token (T >= 1)")
+        raise input_error("kpool: the indexer needs at least one token (T >= 1)")
     if kpool == "fp8" and x.dtype != torch.bfloat16:
-        raise ValueError(f"kpool: the fp8 indexer takes bf16 hidden states, got {x.dtype}")
-    H = weights_proj.shape[0] if isinstance(weights_proj, torch.Tensor) else -1
-    workspace.mqa_row_block(H)
+        raise input_error(f"kpool: the fp8 indexer takes bf16 hidden states, got {x.dtype}")
+    H = weights_proj.shape[0]
+    check_heads(H, "weights_proj.shape[0]")
     check_tensor("q_resid", q_resid, dims=2, dtypes=(x.dtype,))
     if q_resid.shape[0] != T:
-        raise ValueError(f"kpool: q_resid must have T={T} rows, got {tuple(q_resid.shape)}")
+        raise input_error(f"kpool: q_resid must have T={T} rows, got {tuple(q_resid.shape)}")
     check_tensor("wq_b", wq_b, dtypes=(x.dtype,), shape=(H * ref.HEAD_DIM, q_resid.shape[1]))
     check_tensor("compress_ape", compress_ape, dtypes=FLOAT_DTYPES, shape=(P, ref.HEAD_DIM))
     if cu_seqlens is None:
@@ -119,7 +124,7 @@ def kpool_indexer(
         q, w = indexer_scorer_query(q, w, kpool=kpool, scale_fmt=scale_fmt)
         return indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
                                     layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
-                                    batch_invariant=batch_invariant)
+                                    batch_invariant=batch_invariant, num_tokens=T)
 
 
 def indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps,
@@ -167,17 +172,18 @@ def indexer_scorer_query(q, w, *, kpool, scale_fmt):
 
 
 def indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, *, kpool, layout, budget_mb,
-                         topk, pool_size, tail, batch_invariant):
+                         topk, pool_size, tail, batch_invariant, num_tokens=None):
     """Scores (:func:`kpool_logits`, or :func:`kpool_logits_batch_invariant`) and selection
     (:func:`kpool_select`) of the query rows ``q [M, H, 128]`` against ``pool [S, 128]``, in row
     chunks whose scoring memory fits ``budget_mb`` MiB (the logits workspace; ``[rows, H, S]`` FP32
-    products when ``batch_invariant``). Returns int32 ``[M, topk + P - 1]``.
+    products when ``batch_invariant``); ``num_tokens``: T, for :func:`kpool_select`'s eager id bound.
+    Returns int32 ``[M, topk + P - 1]``.
 
     One op, ``glm53::kpool_score_select``: the chunk count depends on M and S, so the loop runs
     inside the op's kernel on concrete sizes, and a compiled graph holds one call whatever the token
     count (M and S stay symbolic; no Python arithmetic on them while tracing)."""
     return torch.ops.glm53.kpool_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool,
-                                              layout, budget_mb, topk, pool_size, tail, batch_invariant)
+                                              layout, budget_mb, topk, pool_size, tail, batch_invariant, num_tokens)
 
 
 def score_chunks(M: int, S: int, H: int, *, layout: str, budget_mb: int, batch_invariant: bool):
@@ -193,7 +199,7 @@ def score_chunks(M: int, S: int, H: int, *, layout: str, budget_mb: int, batch_i
 def _kpool_score_select_op(
     q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, pool_scale: torch.Tensor, q_lo: torch.Tensor,
     q_n: torch.Tensor, tail_start: torch.Tensor, tail_len: torch.Tensor, kpool: str, layout: str, budget_mb: int,
-    topk: int, pool_size: int, tail: str, batch_invariant: bool,
+    topk: int, pool_size: int, tail: str, batch_invariant: bool, num_tokens: int | None,
 ) -> torch.Tensor:
     """Selected token ids int32 ``[M, topk + P - 1]``; see :func:`indexer_score_select`. Every device:
     the scorer and selector ops it calls dispatch to their own device kernels."""
@@ -206,7 +212,7 @@ def _kpool_score_select_op(
             else:
                 logits = kpool_logits(q[s:e], w[s:e], pool, pool_scale, precision=kpool, layout=layout)
             parts.append(kpool_select(logits, q_lo[s:e], q_n[s:e], tail_start[s:e], tail_len[s:e],
-                                      topk=topk, pool_size=pool_size, tail=tail))
+                                      topk=topk, pool_size=pool_size, tail=tail, num_tokens=num_tokens))
     if not parts:
         return torch.empty(0, topk + pool_size - 1, dtype=torch.int32, device=q.device)
     return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, 0)

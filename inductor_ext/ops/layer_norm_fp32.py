@@ -10,32 +10,36 @@ from __future__ import annotations
 
 import torch
 
+from inductor_ext.ops._checks import input_error, real, tensors
+
 __all__ = ["layer_norm_fp32", "layer_norm_fp32_reference", "validate_layer_norm_fp32_inputs"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def validate_layer_norm_fp32_inputs(x, weight, bias, eps) -> None:
-    """Static checks (shapes, dtypes, devices, eps); raise ``ValueError`` naming the rule."""
+def validate_layer_norm_fp32_inputs(x, weight, bias, eps) -> float:
+    """Static checks (types, shapes, dtypes, devices, eps a finite number > 0); raise ``ValueError``
+    naming the rule. Returns eps as a float."""
+    tensors("layer_norm_fp32", optional=("weight", "bias"), x=x, weight=weight, bias=bias)
+    eps = real("layer_norm_fp32", "eps", eps, gt=0)
     if x.dim() < 1:
-        raise ValueError("layer_norm_fp32: x must have at least one dimension [..., D]")
-    tensors = {"x": x}
+        raise input_error("layer_norm_fp32: x must have at least one dimension [..., D]")
+    named = {"x": x}
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
             continue
         if tuple(t.shape) != (x.shape[-1],):
-            raise ValueError(f"layer_norm_fp32: {name} must be [D={x.shape[-1]}], got {tuple(t.shape)}")
-        tensors[name] = t
-    for name, t in tensors.items():
+            raise input_error(f"layer_norm_fp32: {name} must be [D={x.shape[-1]}], got {tuple(t.shape)}")
+        named[name] = t
+    for name, t in named.items():
         if t.dtype not in _FLOATS:
-            raise ValueError(f"layer_norm_fp32: {name} must be bfloat16, float16 or float32, got {t.dtype}")
-    if not eps > 0:
-        raise ValueError(f"layer_norm_fp32: eps must be > 0, got {eps}")
-    devices = {t.device for t in tensors.values()}
+            raise input_error(f"layer_norm_fp32: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+    devices = {t.device for t in named.values()}
     if len(devices) != 1:
-        raise ValueError(f"layer_norm_fp32: all tensors must be on one device, got {sorted(map(str, devices))}")
+        raise input_error(f"layer_norm_fp32: all tensors must be on one device, got {sorted(map(str, devices))}")
     if x.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"layer_norm_fp32: tensors must be on cpu or cuda, got {x.device}")
+        raise input_error(f"layer_norm_fp32: tensors must be on cpu or cuda, got {x.device}")
+    return eps
 
 
 def _normalize(xf, eps):
@@ -101,11 +105,11 @@ def layer_norm_fp32(x, weight=None, bias=None, eps=1e-6):
     Args:
         x: ``[..., D]`` bf16, fp16 or fp32.
         weight, bias: optional ``[D]`` (any float dtype; promoted to FP32).
-        eps: variance epsilon (default 1e-6, the GLM-5.3 indexer's key norm).
+        eps: variance epsilon, a finite number > 0 (default 1e-6, the GLM-5.3 indexer's key norm).
 
     Returns:
         ``[..., D]`` in x's dtype, rounded once from the FP32 result. Differentiable in x, weight
         and bias (FP32 backward, gradients in the inputs' dtypes).
     """
-    validate_layer_norm_fp32_inputs(x, weight, bias, eps)
-    return torch.ops.glm53.layer_norm_fp32(x, weight, bias, float(eps))
+    eps = validate_layer_norm_fp32_inputs(x, weight, bias, eps)
+    return torch.ops.glm53.layer_norm_fp32(x, weight, bias, eps)

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from inductor_ext.config import MHC_POST_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
+from inductor_ext.ops._checks import input_error, integer, real, tensors
 from inductor_ext.ops.ordered import ordered_softmax, ordered_sum, positionwise
 
 __all__ = ["mhc_pre", "mhc_post", "PRECISIONS", "mhc_pre_reference", "mhc_post_reference", "mhc_post_fp32",
@@ -51,45 +52,48 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 def _check_common(op, tensors):
     for name, t in tensors.items():
         if t.dtype not in _FLOATS:
-            raise ValueError(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+            raise input_error(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
+        raise input_error(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
     if next(iter(devices)).type not in ("cpu", "cuda"):
-        raise ValueError(f"{op}: tensors must be on cpu or cuda, got {next(iter(devices))}")
+        raise input_error(f"{op}: tensors must be on cpu or cuda, got {next(iter(devices))}")
 
 
-def validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> None:
-    """Static checks (shapes, dtypes, devices, constants); raise ``ValueError`` naming the rule."""
+def validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, op="mhc_pre") -> None:
+    """Static checks (types, shapes, dtypes, devices, constants); raise ``ValueError`` naming the rule,
+    prefixed with ``op`` (the calling op)."""
+    tensors(op, x=x, fn=fn, base=base, scale=scale)
+    real(op, "norm_eps", norm_eps, gt=0)
+    real(op, "hc_eps", hc_eps, ge=0)
+    integer(op, "sinkhorn_iters", sinkhorn_iters, ge=1)
     if x.dim() < 3:
-        raise ValueError(f"mhc_pre: x must be [..., N, D] with a leading token dim, got {tuple(x.shape)}")
+        raise input_error(f"{op}: x must be [..., N, D] with a leading token dim, got {tuple(x.shape)}")
     N, D = x.shape[-2:]
     if tuple(fn.shape) != ((2 + N) * N, N * D):
-        raise ValueError(f"mhc_pre: fn must be [(2+N)*N, N*D] = {((2 + N) * N, N * D)}, got {tuple(fn.shape)}")
+        raise input_error(f"{op}: fn must be [(2+N)*N, N*D] = {((2 + N) * N, N * D)}, got {tuple(fn.shape)}")
     if tuple(base.shape) != ((2 + N) * N,):
-        raise ValueError(f"mhc_pre: base must be [(2+N)*N] = [{(2 + N) * N}], got {tuple(base.shape)}")
+        raise input_error(f"{op}: base must be [(2+N)*N] = [{(2 + N) * N}], got {tuple(base.shape)}")
     if tuple(scale.shape) != (3,):
-        raise ValueError(f"mhc_pre: scale must be [3] (pre, post, comb), got {tuple(scale.shape)}")
-    if not (norm_eps > 0 and hc_eps >= 0):
-        raise ValueError(f"mhc_pre: need norm_eps > 0 and hc_eps >= 0, got {norm_eps}, {hc_eps}")
-    if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
-        raise ValueError(f"mhc_pre: sinkhorn_iters must be an int >= 1, got {sinkhorn_iters!r}")
-    _check_common("mhc_pre", {"x": x, "fn": fn, "base": base, "scale": scale})
+        raise input_error(f"{op}: scale must be [3] (pre, post, comb), got {tuple(scale.shape)}")
+    _check_common(op, {"x": x, "fn": fn, "base": base, "scale": scale})
 
 
-def validate_mhc_post_inputs(f, residual, post, comb, precision) -> None:
-    """Static checks (precision, shapes, dtypes, devices); raise ``ValueError`` naming the rule."""
+def validate_mhc_post_inputs(f, residual, post, comb, precision, op="mhc_post") -> None:
+    """Static checks (types, precision, shapes, dtypes, devices); raise ``ValueError`` naming the rule,
+    prefixed with ``op`` (the calling op)."""
+    tensors(op, f=f, residual=residual, post=post, comb=comb)
     if precision not in PRECISIONS:
-        raise ValueError(f"mhc_post: precision must be one of {PRECISIONS}, got {precision!r}")
+        raise input_error(f"{op}: precision must be one of {PRECISIONS}, got {precision!r}")
     if residual.dim() < 3:
-        raise ValueError(f"mhc_post: residual must be [..., N, D], got {tuple(residual.shape)}")
+        raise input_error(f"{op}: residual must be [..., N, D], got {tuple(residual.shape)}")
     lead, (N, D) = tuple(residual.shape[:-2]), residual.shape[-2:]
     for name, t, shape in (("f", f, (*lead, D)), ("post", post, (*lead, N)), ("comb", comb, (*lead, N, N))):
         if tuple(t.shape) != shape:
-            raise ValueError(f"mhc_post: {name} must be {shape} to match residual [..., N, D], got {tuple(t.shape)}")
+            raise input_error(f"{op}: {name} must be {shape} to match residual [..., N, D], got {tuple(t.shape)}")
     if f.dtype != residual.dtype:
-        raise ValueError(f"mhc_post: f and residual must share a dtype, got {f.dtype} and {residual.dtype}")
-    _check_common("mhc_post", {"f": f, "residual": residual, "post": post, "comb": comb})
+        raise input_error(f"{op}: f and residual must share a dtype, got {f.dtype} and {residual.dtype}")
+    _check_common(op, {"f": f, "residual": residual, "post": post, "comb": comb})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +103,7 @@ def validate_mhc_post_inputs(f, residual, post, comb, precision) -> None:
 
 def _coefficients(x, fn, base, scale, norm_eps, hc_eps, iters):
     """FP32 forward up to the coefficients; also returns what the backward needs."""
-    flat = x.reshape(*x.shape[:-2], -1).float()
+    flat = x.flatten(-2).float()  # (not reshape(..., -1): ambiguous with no token)
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     z = flat * rstd
     pre, post, comb, saved = coefficients_from_projection(F.linear(z, fn.float()), base, scale, hc_eps, iters)
@@ -152,7 +156,7 @@ def streams_from_width(width: int) -> int:
     """N from mHC's projection width ``(2+N)·N``; ``ValueError`` if the width is not of that form."""
     n = int(round((1 + width) ** 0.5 - 1))
     if (2 + n) * n != width:
-        raise ValueError(f"mhc: a projection of width {width} is not (2+N)*N for any N")
+        raise input_error(f"mhc: a projection of width {width} is not (2+N)*N for any N")
     return n
 
 

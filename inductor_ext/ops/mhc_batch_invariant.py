@@ -23,6 +23,7 @@ import torch
 
 from inductor_ext import backends
 from inductor_ext.config import active_config
+from inductor_ext.ops._checks import input_error, integer, real, tensors
 from inductor_ext.ops.batch_invariant import bi_linear, bi_row_sum
 from inductor_ext.ops.mhc import (
     coefficient_vjp,
@@ -97,15 +98,16 @@ def bi_mhc_coefficients(proj, base, scale, *, hc_eps=1e-6, sinkhorn_iters=20):
         :mod:`inductor_ext.ops.mhc`); every row bitwise independent of the other rows.
         Differentiable in proj, base and scale.
     """
+    tensors("bi_mhc_coefficients", proj=proj, base=base, scale=scale)
+    real("bi_mhc_coefficients", "hc_eps", hc_eps, ge=0)
+    integer("bi_mhc_coefficients", "sinkhorn_iters", sinkhorn_iters, ge=1)
     if proj.dim() != 2 or proj.dtype != torch.float32:
-        raise ValueError(f"bi_mhc_coefficients: proj must be [R, (2+N)*N] float32, got "
-                         f"{tuple(proj.shape)} {proj.dtype}")
+        raise input_error(f"bi_mhc_coefficients: proj must be [R, (2+N)*N] float32, got "
+                          f"{tuple(proj.shape)} {proj.dtype}")
     width = proj.shape[1]
     if tuple(base.shape) != (width,) or tuple(scale.shape) != (3,):
-        raise ValueError(f"bi_mhc_coefficients: base must be [{width}] and scale [3], got "
-                         f"{tuple(base.shape)} and {tuple(scale.shape)}")
-    if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
-        raise ValueError(f"bi_mhc_coefficients: sinkhorn_iters must be an int >= 1, got {sinkhorn_iters!r}")
+        raise input_error(f"bi_mhc_coefficients: base must be [{width}] and scale [3], got "
+                          f"{tuple(base.shape)} and {tuple(scale.shape)}")
     streams_from_width(width)
     return torch.ops.glm53.bi_mhc_coefficients(proj, base, scale, float(hc_eps), sinkhorn_iters)
 
@@ -114,15 +116,16 @@ def mhc_pre_batch_invariant(x, fn, base, scale, *, norm_eps=1e-5, hc_eps=1e-6, s
     """:func:`~inductor_ext.ops.mhc.mhc_pre` with batch-invariant reductions (module docstring):
     same arguments, outputs and formula; every row's result is bitwise independent of how many rows
     share the call. Within FP32 rounding of ``mhc_pre``; differentiable."""
-    validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, op="mhc_pre_batch_invariant")
     lead, width = x.shape[:-2], (2 + x.shape[-2]) * x.shape[-2]
     with torch.autocast(x.device.type, enabled=False):
-        flat = x.reshape(*lead, -1).float()
+        flat = x.flatten(-2).float()
         mean_square = bi_row_sum(flat.square()).unsqueeze(-1) / flat.shape[-1]
         z = flat * torch.rsqrt(mean_square + float(norm_eps))
         proj = bi_linear(z, fn, out_dtype=torch.float32).reshape(-1, width)
         pre, post, comb = bi_mhc_coefficients(proj, base, scale, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
-        pre, post, comb = pre.view(*lead, -1), post.view(*lead, -1), comb.view(*lead, *comb.shape[1:])
+        n = pre.shape[1]  # (not view(..., -1): ambiguous with no token)
+        pre, post, comb = pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
         mixed = ordered_sum(pre.unsqueeze(-1) * x, -2).to(x.dtype)
     return mixed, post, comb
 
@@ -133,7 +136,7 @@ def mhc_post_batch_invariant(f, residual, post, comb, *, precision=None):
     rounded to the residual's dtype, like the matmul's), for ``PrecisionConfig.batch_invariant``;
     same arguments and outputs; differentiable by autograd."""
     precision = active_config().mhc_post if precision is None else precision
-    validate_mhc_post_inputs(f, residual, post, comb, precision)
+    validate_mhc_post_inputs(f, residual, post, comb, precision, op="mhc_post_batch_invariant")
     dtype = residual.dtype
     with torch.autocast(residual.device.type, enabled=False):
         c = comb.to(dtype).float() if precision == "bf16" else comb.float()

@@ -158,8 +158,11 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
         token_ids: ``[T, W]`` int32 or int64, W >= 1: the key rows each query attends to, in any
             order; ``-1`` (anywhere in a row) is padding. Ids must be -1 or in ``[0, S)`` (checked
             in eager mode only: reading them synchronises with the host). An id listed twice
-            counts twice. A row of only ``-1`` gives ``out = 0`` and ``lse = -inf``.
-        scale: the score scale (GLM-5.3: ``qk_nope_head_dim ** -0.5``), a finite float.
+            counts twice. A row of only ``-1`` gives ``out = 0`` and ``lse = -inf``; a NaN in q or in
+            a listed kv row gives NaN (never 0). T = 0 gives empty ``out`` and ``lse``.
+        scale: the score scale (GLM-5.3: ``qk_nope_head_dim ** -0.5``), a finite number with
+            ``0 < scale <= 1e4`` (:data:`~inductor_ext.ops.sparse_mla_reference.MAX_SCALE`: a larger one
+            overflows the FP32 scores).
         d_v: value width, ``1 <= d_v <= D``; ``None`` means D.
         return_lse: also return ``lse`` (differentiable).
         deterministic: the backward's ``dkv`` is bitwise repeatable (CUDA: integer atomics into
@@ -184,7 +187,7 @@ def sparse_mla(q, kv, token_ids, *, scale, d_v=None, return_lse=False, determini
     if isinstance(kv, torch.Tensor) and kv.dim() == 2 and d_v is None:
         d_v = kv.shape[1]
     ref.validate_sparse_mla_inputs(q, kv, token_ids, scale, d_v)
-    if eager() and not isinstance(token_ids, torch._subclasses.FakeTensor):
+    if eager(token_ids):
         ref.check_sparse_mla_ids(token_ids, kv.shape[0])
     out, lse = torch.ops.glm53.sparse_mla(q, kv, token_ids, float(scale), int(d_v), bool(deterministic))
     return (out, lse) if return_lse else out

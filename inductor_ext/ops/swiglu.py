@@ -18,13 +18,12 @@ In both modes the clamps pass gradients where the input lies inside the closed i
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from inductor_ext.config import SWIGLU_MODES as MODES
 from inductor_ext.config import active_config
+from inductor_ext.ops._checks import input_error, real, tensors
 
 __all__ = ["swiglu", "MODES", "swiglu_reference", "validate_swiglu_inputs"]
 
@@ -32,23 +31,21 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def validate_swiglu_inputs(gate, up, limit, mode) -> None:
-    """Static checks (mode, limit, shapes, dtypes, devices); raise ``ValueError`` naming the rule."""
+    """Static checks (types, mode, limit, shapes, dtypes, devices); raise ``ValueError`` naming the rule."""
+    tensors("swiglu", gate=gate, up=up)
     if mode not in MODES:
-        raise ValueError(f"swiglu: mode must be one of {MODES}, got {mode!r}")
-    # comparisons, not math.isfinite: under dynamic=True a float is symbolic, and a comparison
-    # only guards on it (NaN and inf fail them too)
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
-        raise ValueError(f"swiglu: limit must be a finite number > 0, got {limit!r}")
+        raise input_error(f"swiglu: mode must be one of {MODES}, got {mode!r}")
+    real("swiglu", "limit", limit, gt=0)
     if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate and up must share a shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+        raise input_error(f"swiglu: gate and up must share a shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     if gate.dtype not in _FLOATS or up.dtype != gate.dtype:
-        raise ValueError(
+        raise input_error(
             f"swiglu: gate and up must share a dtype among bfloat16, float16, float32, got {gate.dtype} and {up.dtype}"
         )
     if gate.device != up.device:
-        raise ValueError(f"swiglu: gate and up must be on one device, got {gate.device} and {up.device}")
+        raise input_error(f"swiglu: gate and up must be on one device, got {gate.device} and {up.device}")
     if gate.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"swiglu: tensors must be on cpu or cuda, got {gate.device}")
+        raise input_error(f"swiglu: tensors must be on cpu or cuda, got {gate.device}")
 
 
 def swiglu_reference(gate, up, limit, mode):

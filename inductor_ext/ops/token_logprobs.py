@@ -150,7 +150,7 @@ def token_logprobs(hidden, weight, targets, *, temperature=1.0, return_entropy=F
     by the temperature; FP32 log-sum-exp). Memory ``O(T·D + T·CHUNK_V)`` in forward and backward.
     """
     ref.validate_token_logprobs_inputs(hidden, weight, targets, temperature, return_entropy, batch_invariant)
-    if eager() and not isinstance(targets, torch._subclasses.FakeTensor):
+    if eager(targets):
         ref.check_token_logprobs_targets(targets, weight.shape[0])
     logprobs, entropy, _ = torch.ops.glm53.token_logprobs(hidden, weight, targets, float(temperature),
                                                           batch_invariant, return_entropy)

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from inductor_ext.ops import batch_invariant_reference as bi_ref
+from inductor_ext.ops._checks import input_error, tensors
 
 __all__ = [
     "CHUNK_V",
@@ -71,34 +72,32 @@ def validate_token_logprobs_inputs(hidden, weight, targets, temperature, return_
     ``targets`` int64 ``[T]``, all on one cpu or cuda device; ``temperature`` a python number
     (not a tensor, not bool), finite and > 0; the flags python bools. ``ValueError`` naming the rule."""
     op = "token_logprobs"
-    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    tensors(op, hidden=hidden, weight=weight, targets=targets)
     if hidden.dim() != 2 or hidden.shape[0] < 1 or hidden.shape[1] < 1:
-        raise ValueError(f"{op}: hidden must be [T >= 1, D >= 1], got {tuple(hidden.shape)}")
+        raise input_error(f"{op}: hidden must be [T >= 1, D >= 1], got {tuple(hidden.shape)}")
     T, D = hidden.shape
     if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != D:
-        raise ValueError(f"{op}: weight must be [V >= 1, D={D}] (the lm_head weight), got {tuple(weight.shape)}")
+        raise input_error(f"{op}: weight must be [V >= 1, D={D}] (the lm_head weight), got {tuple(weight.shape)}")
     if hidden.dtype not in FLOATS:
-        raise ValueError(f"{op}: hidden must be bfloat16, float16 or float32, got {hidden.dtype}")
+        raise input_error(f"{op}: hidden must be bfloat16, float16 or float32, got {hidden.dtype}")
     if weight.dtype != hidden.dtype:
-        raise ValueError(f"{op}: weight must have hidden's dtype {hidden.dtype} (the logits are rounded to it), "
-                         f"got {weight.dtype}")
+        raise input_error(f"{op}: weight must have hidden's dtype {hidden.dtype} (the logits are rounded to it), "
+                          f"got {weight.dtype}")
     if targets.dtype != torch.int64 or tuple(targets.shape) != (T,):
-        raise ValueError(f"{op}: targets must be int64 [T={T}], got {targets.dtype} {tuple(targets.shape)}")
+        raise input_error(f"{op}: targets must be int64 [T={T}], got {targets.dtype} {tuple(targets.shape)}")
     devices = {hidden.device, weight.device, targets.device}
     if len(devices) != 1:
-        raise ValueError(f"{op}: hidden, weight and targets must be on one device, got {sorted(map(str, devices))}")
+        raise input_error(f"{op}: hidden, weight and targets must be on one device, got {sorted(map(str, devices))}")
     if hidden.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{op}: tensors must be on cpu or cuda, got {hidden.device}")
+        raise input_error(f"{op}: tensors must be on cpu or cuda, got {hidden.device}")
     if isinstance(temperature, torch.Tensor):
-        raise ValueError(f"{op}: temperature must be a python float, not a tensor (it is a literal of the graph)")
+        raise input_error(f"{op}: temperature must be a python float, not a tensor (it is a literal of the graph)")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not 0 < temperature < math.inf:  # comparisons: a symbolic float only guards
-        raise ValueError(f"{op}: temperature must be a finite python float > 0, got {temperature!r}")
+        raise input_error(f"{op}: temperature must be a finite python float > 0, got {temperature!r}")
     for name, flag in (("return_entropy", return_entropy), ("batch_invariant", batch_invariant)):
         if not isinstance(flag, bool):
-            raise ValueError(f"{op}: {name} must be a bool, got {flag!r}")
+            raise input_error(f"{op}: {name} must be a bool, got {flag!r}")
 
 
 def check_token_logprobs_targets(targets: torch.Tensor, vocab: int) -> None:
@@ -106,7 +105,7 @@ def check_token_logprobs_targets(targets: torch.Tensor, vocab: int) -> None:
     bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
-        raise ValueError(f"token_logprobs: targets must be in [0, V={vocab}) or {IGNORE_INDEX} (ignored), "
+        raise input_error(f"token_logprobs: targets must be in [0, V={vocab}) or {IGNORE_INDEX} (ignored), "
                          f"got {int(targets[first])} at row {first}")
 
 

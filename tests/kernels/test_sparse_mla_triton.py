@@ -193,6 +193,22 @@ def test_head_major_query_and_gradient_give_the_same_bits(kt):
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_h))
 
 
+def test_nan_propagates_as_in_the_reference(kt):
+    """A NaN in q or in a listed kv row gives NaN out and lse where the reference gives them (never the
+    zero of a row without ids, which stays out = 0, lse = -inf)."""
+    case = INTERP_CASES[0]
+    inp = make_inputs(case, seed=5)
+    q, kv, ids = inp["q"].clone(), inp["kv"].clone(), inp["token_ids"]
+    q[0, 1, 5] = float("nan")
+    kv[int(ids[2][ids[2] >= 0][0]), 3] = float("nan")
+    out, lse = kt.sparse_mla_fwd(q, kv, ids, inp["scale"], inp["d_v"], block_n=16)
+    want_out, want_lse = ref.sparse_mla_reference(q, kv, ids, inp["scale"], inp["d_v"])
+    assert out[0, 1].isnan().all() and lse[0, 1].isnan() and out[2].isnan().all() and lse[2].isnan().all()
+    assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(), want_lse.isnan())
+    empty = (ids < 0).all(1)
+    assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+
+
 def test_unsupported_dim_raises(kt):
     with pytest.raises(ValueError, match="D <= 1024"):
         kt.forward.chunking(2048)

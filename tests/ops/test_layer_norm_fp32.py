@@ -70,7 +70,7 @@ def test_bad_inputs_raise():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="weight must be"):
         ops.layer_norm_fp32(x, torch.ones(7))
-    with pytest.raises(ValueError, match="eps must be > 0"):
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
         ops.layer_norm_fp32(x, eps=0.0)
     with pytest.raises(ValueError, match="x must be bfloat16"):
         ops.layer_norm_fp32(x.int())

@@ -194,7 +194,8 @@ def _sparse_mla_fwd_kernel(
             if PRECISE_P:
                 acc3 = tl.dot(plo, k3, acc3, input_precision=DOT_PREC)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    # no valid id: l = 0 → out 0, lse -inf; NaN (from q or kv) stays NaN: never `l_i > 0` (the reference's rule)
+    l_safe = tl.where(l_i == 0, 1.0, l_i)
     o_row = out_ptr + t.to(tl.int64) * s_ot + heads[:, None] * s_oh
     cols = tl.arange(0, DC)
     omask = hmask[:, None] & (cb0 + cols < DV)[None, :]
@@ -208,7 +209,7 @@ def _sparse_mla_fwd_kernel(
     if NCV > 3:
         omask = hmask[:, None] & (cb3 + cols < DV)[None, :]
         tl.store(o_row + (cb3 + cols)[None, :], (acc3 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(l_i == 0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(lse_ptr + t.to(tl.int64) * s_lt + heads, lse, mask=hmask & (rot == 0))
 
 

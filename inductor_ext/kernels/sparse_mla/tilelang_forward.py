@@ -200,11 +200,11 @@ def _kernel(H: int, D: int, scale: float, ids_dtype: str, strided: bool):
                     scores_and_left(c, 2 * k, kv0_l, kv0_r, 0, k - k_lo)
                     if 2 * k + 1 < n_hi:
                         scores_and_left(c, 2 * k + 1, kv1_l, kv1_r, 1, k - k_lo)
-                for h in T.Parallel(HB):
-                    inv_l[h] = T.if_then_else(l_i[h] > 0, 1.0 / l_i[h], 0)
+                for h in T.Parallel(HB):  # l >= 0 or NaN: `l <= 0` is l = 0 (no valid id); NaN stays NaN
+                    inv_l[h] = T.if_then_else(l_i[h] <= 0, 0, 1.0 / l_i[h])
                     inv_sh[h] = inv_l[h]
-                    lse_f[h] = T.if_then_else(l_i[h] > 0, (T.log2(l_i[h]) + m_i[h] * sl2) * math.log(2.0),
-                                              -T.infinity(f32))
+                    lse_f[h] = T.if_then_else(l_i[h] <= 0, -T.infinity(f32),
+                                              (T.log2(l_i[h]) + m_i[h] * sl2) * math.log(2.0))
                 T.barrier_arrive(done[0])
                 for h, d in T.Parallel(HB, DH):
                     acc_l[h, d] *= inv_l[h]
