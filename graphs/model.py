@@ -172,7 +172,7 @@ class GLM53Model(nn.Module):
                 input_ids = hf_kwargs.pop("input_ids")
             return causal_lm_call(self.final_hidden, self.lm_head, prec, input_ids, cu_seqlens=cu_seqlens,
                                   output_hidden_states=output_hidden_states, cp=cp, **hf_kwargs)
-        check_input_ids(input_ids, self.config.vocab_size)
+        check_input_ids(input_ids, self.lm_head.weight.shape[0])
         final, hidden = self.final_hidden(input_ids, cu_seqlens, prec, cp=cp)
         logits = linear(self.lm_head, final, prec).view(*input_ids.shape, -1)
         return (logits, hidden) if output_hidden_states else logits
@@ -200,7 +200,7 @@ class GLM53Model(nn.Module):
             Equal, up to FP32 rounding, to ``log_softmax(model(input_ids).float() / temperature)``
             gathered at ``targets``.
         """
-        check_input_ids(input_ids, self.config.vocab_size)
+        check_input_ids(input_ids, self.lm_head.weight.shape[0])
         if not isinstance(targets, torch.Tensor) or targets.shape != input_ids.shape:
             raise ValueError(f"GLM53Model.token_logprobs: targets must have input_ids' shape "
                              f"{tuple(input_ids.shape)}, got {getattr(targets, 'shape', type(targets).__name__)}")
