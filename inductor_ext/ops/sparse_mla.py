@@ -127,7 +127,11 @@ backends.register_cuda_router(_sparse_mla_bwd_op, "glm53::sparse_mla_bwd", _bwd_
 def _setup_context(ctx, inputs, output):
     q, kv, token_ids, scale, d_v, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, kv, token_ids, out, lse)
+    # q saved contiguous: a head-major q (the absorbed form's per-head GEMM output, read in place by
+    # the forward) saved as is makes Inductor's backward of a graph with a symbolic token count
+    # assert the stride it saw at compile time (torch 2.13: "stride 2048==1696" at the next length).
+    # One [T, H, D] copy when a gradient is needed; the backward kernels read either layout.
+    ctx.save_for_backward(q.contiguous(), kv, token_ids, out, lse)
     ctx.scale, ctx.d_v, ctx.deterministic = scale, d_v, deterministic
     ctx.set_materialize_grads(True)
 
