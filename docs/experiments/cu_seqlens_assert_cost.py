@@ -4,7 +4,7 @@ documents) with the wrapper against the same call without the assertion (the wra
 then the op), and the assertion alone (a graph of ``x + 1`` with and without it). Rounds alternate
 the order; medians of the rounds, microseconds or milliseconds per call, one thread.
 
-    python notes/experiments/cu_seqlens_assert_cost.py --backend inductor --tokens 128
+    python docs/experiments/cu_seqlens_assert_cost.py --backend inductor --tokens 128
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ a ``ValueError`` (or with the op's own message first) in this torch: the experim
 ``inductor_ext/ops/_checks.py`` (``docs/DESIGN.md`` §6). Prints one line per mechanism: the exception
 type the caller gets, whether it is a ``ValueError``, and the first line of its message.
 
-    python notes/experiments/dynamo_fullgraph_errors.py
+    python docs/experiments/dynamo_fullgraph_errors.py
 """
 
 from __future__ import annotations
