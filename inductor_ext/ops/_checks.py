@@ -100,7 +100,8 @@ def check_cu_seqlens(op: str, cu_seqlens: torch.Tensor, num_tokens: int) -> None
         check_cu_seqlens_values(op, cu_seqlens, num_tokens)
         return
     ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == num_tokens) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
-    torch._assert_async(ok, f"{op}: cu_seqlens must be non-decreasing from 0 to T={num_tokens}")
+    # the message names no size: formatting a symbolic T into it would specialize the graph on T
+    torch._assert_async(ok, f"{op}: cu_seqlens must be non-decreasing from 0 to the token count T")
 
 
 def check_cu_seqlens_values(op: str, cu_seqlens: torch.Tensor, num_tokens: int) -> None:
