@@ -24,7 +24,7 @@ EXPECT = {
     "swiglu=serving": ("glm53.swiglu.default", "serving"),
     "moe_act=fp8_ue8m0": ("glm53.fp8_qdq.default", "ue8m0"),
     "moe_act=fp8_fp32scale": ("glm53.fp8_qdq.default", "fp32"),
-    "mqa_layout=legacy": ("glm53.kpool_logits.default", "legacy"),
+    "mqa_layout=legacy": ("glm53.kpool_score_select.default", "legacy"),
     "mla=absorbed": ("glm53.sparse_mla.default", True),  # (scale, d_v, deterministic=True)
 }
 assert set(EXPECT) == set(CONFIGS) - {"reference"}, "every toggle has an expected graph change"
