@@ -161,6 +161,33 @@ def compile_worker(rank: int, world: int, kind: str = "kda") -> dict:
             "all_gathers": graph.count("all_gather_into_tensor"), "waits": graph.count("wait_tensor")}
 
 
+def dynamic_worker(rank: int, world: int) -> dict:
+    """The whole tiny model under context parallel compiled per rank (aot_eager, fullgraph, forward)
+    over six global lengths of 1-4 documents: graphs compiled, and each length's logits bitwise the
+    eager CP model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import inductor_ext
+    from graphs import GLM53Config, GLM53Model
+    from inductor_ext import PrecisionConfig
+    from inductor_ext.parallel import cp_context
+
+    inductor_ext.enable()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GLM53Model(GLM53Config.tiny(), precision=PrecisionConfig.reference()).to_dtype(torch.bfloat16)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    bitwise_at = {}
+    for n, cu_list in enumerate(((0, 64), (0, 30, 80), (0, 9, 50, 96), (0, 20, 40, 90, 112), (0, 128), (0, 70, 144))):
+        gen = torch.Generator().manual_seed(n)
+        ids = torch.randint(0, 256, (cu_list[-1],), generator=gen)
+        ctx = cp_context(torch.tensor(cu_list))
+        with torch.no_grad():
+            bitwise_at[cu_list[-1]] = bitwise(compiled(ctx.shard(ids), cp=ctx), model(ctx.shard(ids), cp=ctx))
+    return {"frames": counter.frame_count, "bitwise": bitwise_at}
+
+
 def check_worker(rank: int, world: int, config_name: str, layout: str, plants: tuple = ()) -> dict:
     """``cp-check`` itself (:func:`inductor_ext.parallel.check._compare`, T = 32·world): its rows,
     and with ``plants`` a second row set from the same runs with those partial gradients planted."""
@@ -194,6 +221,7 @@ for _c in FULL_CONFIGS:
     register(2, f"full-model-{_c}", model_worker, _c, True)
 register(2, "compile-kda-layer", compile_worker, "kda")
 register(2, "compile-dsa-layer", compile_worker, "dsa")
+register(2, "dynamic-model", dynamic_worker)
 
 
 @pytest.mark.parametrize("config_name,layout", CASES, ids=[f"{c}-{lay}" for c, lay in CASES])
@@ -267,6 +295,14 @@ def test_compiled_decoder_layer_one_frame_per_rank(kind):
         assert res["all_gathers"] >= 2 and res["waits"] >= res["all_gathers"], res
         for n, r in res["results"].items():
             assert r["loss_bitwise"] and r["grad_bitwise"], (rank, n, r)
+
+
+def test_cp_model_compiles_once_for_every_length():
+    """Symbolic T and N under context parallel too: six global lengths (64..144, 1-4 documents) in
+    at most 2 compiles per rank (the first static, then one symbolic), each bitwise eager."""
+    for rank, res in enumerate(job_result(2, "dynamic-model")):
+        assert res["frames"] <= 2, f"rank {rank}: {res['frames']} compiles"
+        assert all(res["bitwise"].values()), (rank, res["bitwise"])
 
 
 if __name__ == "__main__":  # measured values: python -m tests.parallel.test_model_cp
