@@ -135,8 +135,9 @@ class ServingDecoder:
     # ------------------------------------------------------------------ public API
 
     @torch.no_grad()
-    def prefill(self, prompts: torch.Tensor) -> tuple[torch.Tensor, DecodeCache]:
-        """prompts int64 ``[n, L]`` → (next-token logits ``[n, V]`` (model dtype), cache)."""
+    def prefill(self, prompts: torch.Tensor, *, with_hidden: bool = False):
+        """prompts int64 ``[n, L]`` → (next-token logits ``[n, V]`` (model dtype), cache); with
+        ``with_hidden`` (logits, the final hidden states ``[n, D]`` (the lm_head input), cache)."""
         if prompts.dtype != torch.int64 or prompts.dim() != 2 or prompts.shape[1] < 1 or prompts.shape[0] < 1:
             raise ValueError(f"ServingDecoder.prefill: prompts must be int64 [n, L>=1], got "
                              f"{prompts.dtype} {tuple(prompts.shape)}")
@@ -149,13 +150,13 @@ class ServingDecoder:
         for layer in self.model.layers:
             streams, ids, cache = self._layer(layer, streams, ids, n, L, cu=cu)
             caches.append(cache)
-        logits = self._head(streams.view(n, L, *streams.shape[1:])[:, -1])
-        return logits[:num_seqs], DecodeCache(num_seqs, L, caches)
+        hidden = self._final(streams.view(n, L, *streams.shape[1:])[:, -1])
+        return self._out(hidden, DecodeCache(num_seqs, L, caches), with_hidden)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, cache: DecodeCache) -> tuple[torch.Tensor, DecodeCache]:
+    def step(self, tokens: torch.Tensor, cache: DecodeCache, *, with_hidden: bool = False):
         """tokens int64 ``[n]`` (one new token per sequence) → (its next-token logits ``[n, V]``,
-        cache, updated in place and returned)."""
+        cache, updated in place and returned); with ``with_hidden`` (logits, hidden ``[n, D]``, cache)."""
         if not isinstance(cache, DecodeCache):
             raise ValueError(f"ServingDecoder.step: cache must be a DecodeCache, got {type(cache).__name__}")
         if tokens.dtype != torch.int64 or tuple(tokens.shape) != (cache.num_seqs,):
@@ -168,7 +169,7 @@ class ServingDecoder:
         for i, layer in enumerate(self.model.layers):
             streams, ids, cache.layers[i] = self._layer(layer, streams, ids, n, t, cache=cache.layers[i])
         cache.length = t
-        return self._head(streams)[: cache.num_seqs], cache
+        return self._out(self._final(streams), cache, with_hidden)
 
     # ------------------------------------------------------------------ model pieces
 
@@ -176,9 +177,15 @@ class ServingDecoder:
         x = self.model.embed_tokens(tokens)
         return x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
 
-    def _head(self, streams):
-        prec = self.precision
-        return linear(self.model.lm_head, self.model.norm(stream_mean(streams, prec), prec), prec)
+    def _final(self, streams):
+        """The final hidden states (stream mean, final norm): the lm_head input."""
+        return self.model.norm(stream_mean(streams, self.precision), self.precision)
+
+    def _out(self, hidden, cache, with_hidden: bool):
+        """The lm_head over every row (padding rows included: the GEMM's shape is the step's), then
+        the sequences' rows."""
+        logits = linear(self.model.lm_head, hidden, self.precision)[: cache.num_seqs]
+        return (logits, hidden[: cache.num_seqs], cache) if with_hidden else (logits, cache)
 
     def _layer(self, layer, streams, prev_ids, n, t, cu=None, cache=None):
         """DecoderLayer.forward (serving) on ``streams`` ``[rows, N, D]``: the packed prompts
