@@ -73,12 +73,12 @@ def tensors(op: str, *, optional: tuple[str, ...] = (), **named) -> None:
 def real(op: str, name: str, value, *, gt: float | None = None, ge: float | None = None,
          le: float | None = None) -> float:
     """A finite python number (not ``bool``, not a tensor) within the given bounds, as ``float``."""
-    bounds = " and".join(f" {sym} {b:g}" for sym, b in ((">", gt), (">=", ge), ("<=", le)) if b is not None)
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and not isinstance(value, torch.Tensor)
     if ok:
         x = float(value)  # comparisons, not math.isfinite: a symbolic float (dynamic=True) only guards
         ok = -math.inf < x < math.inf and (gt is None or x > gt) and (ge is None or x >= ge) and (le is None or x <= le)
-    if not ok:
+    if not ok:  # the message is built only here: formatting while traced would break the graph
+        bounds = " and".join(f" {sym} {b:g}" for sym, b in ((">", gt), (">=", ge), ("<=", le)) if b is not None)
         raise input_error(f"{op}: {name} must be a finite number{bounds}, got {type(value).__name__} {value!r}")
     return float(value)
 
