@@ -216,7 +216,7 @@ SPECIFIC = [
     Case("sparse_mla", "kv dtype", _set(kv=_randn(6, 16).double()), error="kv must have q's dtype", static=True),
     # 2. kda_chunk: cu_seqlens must end at T (eager; compiled: test_compiled_cu_seqlens_*)
     Case("kda_chunk", "cu_seqlens ends before T", _set(cu_seqlens=torch.tensor([0, 4, 6])),
-         error="cu_seqlens must be non-decreasing from 0 to the token count T"),
+         error="cu_seqlens must be non-decreasing from 0 to"),
     Case("kda_chunk", "cu_seqlens of one offset", _set(cu_seqlens=torch.tensor([0])),
          error="cu_seqlens must be a 1-D int64 tensor of N\\+1 >= 2", static=True),
     Case("kda_chunk", "cu_seqlens as a list", _set(cu_seqlens=[0, 8]), error="cu_seqlens must be a tensor, got list",
@@ -267,7 +267,7 @@ SPECIFIC = [
     Case("token_logprobs", "target beyond V", _set(targets=torch.tensor([0, 10, 1, 2])), error=r"targets must be in \[0, V=10\)"),
     Case("kpool_layout", "pool_size 0", _set(pool_size=0), error="pool_size must be a positive int, got 0", static=True),
     Case("kpool_layout", "cu_seqlens ends before T", _set(cu_seqlens=torch.tensor([0, 6, 12])),
-         error="cu_seqlens must be non-decreasing from 0 to T=16"),
+         error="cu_seqlens must be non-decreasing from 0 to"),
     Case("kpool_select", "tail_start past T", _with(lambda a: a["tail_start"].__setitem__(-1, 40)),
          error=r"tail_start \+ tail_len <= num_tokens=16"),
     Case("kpool_select", "tail_len >= P", _with(lambda a: a["tail_len"].__setitem__(2, P)), error="0 <= tail_len < P=4"),
@@ -355,21 +355,21 @@ def test_compiled_kda_chunk_refuses_cu_seqlens_that_end_before_t(fresh_dynamo):
     args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
     o, _ = run(*args, torch.tensor([0, 4, T]))
     assert o.shape == (1, T, H, V)
-    with pytest.raises(RuntimeError, match="cu_seqlens must be non-decreasing from 0 to the token count T"):
+    with pytest.raises(RuntimeError, match="cu_seqlens must be non-decreasing from 0 to"):
         run(*args, torch.tensor([0, 4, 6]))
 
 
 def test_compiled_kpool_layout_refuses_cu_seqlens_that_end_before_t(fresh_dynamo):
     run = torch.compile(lambda cu: ops.kpool_layout(cu, 16, P), fullgraph=True, backend="aot_eager")
     assert run(torch.tensor([0, 6, 16]))[1].shape == (16,)
-    with pytest.raises(RuntimeError, match="cu_seqlens must be non-decreasing from 0 to T=16"):
+    with pytest.raises(RuntimeError, match="cu_seqlens must be non-decreasing from 0 to"):
         run(torch.tensor([0, 6, 12]))
 
 
 def test_kda_reference_kernel_refuses_offsets_that_miss_t():
     """The CPU kernel itself (what a compiled CPU graph runs), past the wrapper: never a shorter o."""
     a = _kda()
-    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing from 0 to the token count T"):
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing from 0 to"):
         torch.ops.glm53.kda_chunk(a["q"], a["k"], a["v"], a["g"], a["beta"], 0.25, None, torch.tensor([0, 4, 6]),
                                   "fp32", False)
 
