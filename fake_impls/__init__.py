@@ -7,6 +7,8 @@ functions and a ``FAKES`` table (op name → fake). Nothing registers on import:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from fake_impls import (
@@ -39,3 +41,7 @@ def register_all() -> None:
             if name not in _registered:
                 torch.library.register_fake(name)(fake)
                 _registered.add(name)
+
+
+if getattr(sys.modules.get("inductor_ext.ops"), "__all__", None) is not None:
+    register_all()  # this package was imported first: the ops exist now (see inductor_ext.ops)

@@ -36,6 +36,22 @@ def test_no_import_circles():
         " <-> ".join(c) for c in cycles)
 
 
+@pytest.mark.parametrize("package", ["fake_impls", "lowerings", "graphs", "inductor_ext", "inductor_ext.ops",
+                                     "inductor_ext.parallel", "inductor_ext.bench", "inductor_ext.report"])
+def test_every_package_imports_first_in_a_fresh_process(package):
+    """Whatever is imported first, the ops and their fakes end up registered (a fake kernel runs)."""
+    import subprocess
+    import sys
+
+    code = (f"import {package}, torch, inductor_ext.ops\n"
+            "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+            "with FakeTensorMode():\n"
+            "    x = torch.empty(4, 8)\n"
+            "    assert torch.ops.glm53.swiglu(x, x, 10.0, 'native').shape == (4, 8)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_circle_checker_finds_a_function_level_circle(tmp_path):
     root = _tree(tmp_path, {
         "pkg/__init__.py": "",

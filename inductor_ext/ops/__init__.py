@@ -43,7 +43,10 @@ from inductor_ext.ops.sparse_mla import sparse_mla
 from inductor_ext.ops.swiglu import swiglu
 from inductor_ext.ops.token_logprobs import token_logprobs
 
-fake_impls.register_all()
+# imported first, fake_impls is still initializing here (its fakes import op leaves, which import
+# this package): it registers the fakes itself once it is complete
+if hasattr(fake_impls, "register_all"):
+    fake_impls.register_all()
 
 __all__ = [
     "kda_chunk",
