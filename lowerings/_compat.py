@@ -32,6 +32,7 @@ __all__ = [
     "inductor_config",
     "inductor_decomposition",
     "EAGER_NUMERICS",
+    "drop_inductor_decomposition",
     "fallback_to_aten",
     "install_eager_numerics",
     "install_size_oblivious_shapes",
@@ -150,10 +151,11 @@ def install_size_oblivious_shapes() -> bool:
 
 
 def plain_inductor_numerics() -> dict:
-    """Inductor's own defaults for the keys of :data:`EAGER_NUMERICS` (``inductor_config.patch`` them
-    to measure what the plugin's settings cost)."""
-    return {"emulate_precision_casts": False, "eager_numerics.division_rounding": False,
-            "eager_numerics.disable_ftz": False, "cpp.enable_floating_point_contract_flag": "off"}
+    """Inductor's own defaults (its environment variables applied) for the keys of
+    :data:`EAGER_NUMERICS` that this torch has (``inductor_config.patch`` them to measure what the
+    plugin's settings cost), read from the config module's entries."""
+    entries = inductor_config._config
+    return {key: entries[key].default for key in EAGER_NUMERICS if key in entries}
 
 
 SMALL_REDUCTION_XBLOCK = 8
@@ -302,9 +304,15 @@ def fallback_to_aten(overloads) -> None:
     from torch._inductor.lowering import lowerings, make_fallback
 
     for op in overloads:
-        _inductor_decomposition.decompositions.pop(op, None)
+        drop_inductor_decomposition(op)
         lowerings.pop(op, None)
         make_fallback(op, warn=False)
+
+
+def drop_inductor_decomposition(op: torch._ops.OpOverload) -> None:
+    """Remove ``op``'s entry from Inductor's decomposition table (a ``glm53`` op then runs its own
+    kernel compiled or not; ``register_inductor_decomposition`` puts one back)."""
+    _inductor_decomposition.decompositions.pop(op, None)
     _clear_merged_table()
 
 

@@ -48,7 +48,12 @@ def run_variant(name: str, arms: list[str]) -> dict:
 
     import inductor_ext
     from inductor_ext.report import MismatchSettings, default_arms, run_mismatch
-    from lowerings._compat import fallback_to_aten, inductor_config, inductor_decomposition
+    from lowerings._compat import (
+        drop_inductor_decomposition,
+        fallback_to_aten,
+        inductor_config,
+        inductor_decomposition,
+    )
 
     inductor_ext.enable()
     # a fallback is not part of Inductor's cache key: compile afresh, never reuse an artifact
@@ -63,11 +68,8 @@ def run_variant(name: str, arms: list[str]) -> dict:
         for module in vars(lowerings).values():
             for op in glm53:
                 getattr(module, "DECOMPOSITIONS", {}).pop(op, None)
-        from torch._inductor import decomposition
-
         for op in glm53:
-            decomposition.decompositions.pop(op, None)
-        fallback_to_aten([])  # clears Inductor's merged table
+            drop_inductor_decomposition(op)
         assert all(inductor_decomposition(op) is None for op in glm53)
     if aten:
         fallback_to_aten(aten)
