@@ -22,17 +22,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graphs.cache import Buffer, CachedKeys
 from graphs.config import GLM53Config
 from graphs.modules import RMSNorm, linear
 from graphs.sparse_attention import sparse_attention
 from inductor_ext import PrecisionConfig, ops
-from inductor_ext.parallel import CPContext, kpool_indexer_cp
+from inductor_ext.ops.kpool_pipeline import (
+    IndexerOptions,
+    IndexerWeights,
+    PackedKeys,
+    check_indexer_inputs,
+    run_indexer,
+)
+from inductor_ext.parallel import CPContext, GatheredKeys
 
-__all__ = ["Indexer", "IndexedAttention"]
+__all__ = ["Indexer", "IndexedAttention", "DSACache"]
 
 
 class Indexer(nn.Module):
-    """KPool indexer parameters (frozen: it returns integer ids, no gradients)."""
+    """The KPool indexer: its parameters and options, one pipeline
+    (:func:`~inductor_ext.ops.kpool_pipeline.run_indexer`) whatever the key source. Frozen: it
+    returns integer ids, so its parameters never receive gradients (``docs/DESIGN.md`` §7.1)."""
 
     def __init__(self, config: GLM53Config):
         super().__init__()
@@ -46,20 +56,34 @@ class Indexer(nn.Module):
         self.topk, self.pool = config.index_topk, config.index_kpool
         self.select_tail = config.index_kpool_always_select_tail
 
-    def forward(self, x, q_resid, cu_seqlens, prec: PrecisionConfig, cp: CPContext | None = None) -> torch.Tensor:
-        """x ``[T, D]``, q_resid ``[T, q_lora_rank]`` → int32 ``[T, topk (+ pool-1 with the tail)]``
-        global token ids. With ``cp`` the rows are this rank's local tokens (keys and gates are
-        all-gathered into global order before pooling: :func:`inductor_ext.parallel.kpool_indexer_cp`)."""
-        params = (self.wq_b.weight, self.wk.weight, self.k_norm.weight, self.k_norm.bias, self.weights_proj.weight,
-                  self.index_kpool_compress_gate, self.index_kpool_compress_ape)
-        options = dict(topk=self.topk, pool_size=self.pool, kpool=prec.kpool, kpool_pooling=prec.kpool_pooling,
-                       head_proj=prec.head_proj, mqa_layout=prec.mqa_layout, logits_budget_mb=prec.logits_budget_mb,
-                       tail="compact" if self.select_tail else "fixed", batch_invariant=prec.batch_invariant)
-        if cp is None:
-            ids = ops.kpool_indexer(x, q_resid, *params, cu_seqlens, **options)
-        else:
-            ids = kpool_indexer_cp(x, q_resid, *params, cp, **options)
+    def weights(self) -> IndexerWeights:
+        return IndexerWeights(self.wq_b.weight, self.wk.weight, self.k_norm.weight, self.k_norm.bias,
+                              self.weights_proj.weight, self.index_kpool_compress_gate, self.index_kpool_compress_ape)
+
+    def options(self, prec: PrecisionConfig) -> IndexerOptions:
+        """The indexer's options under ``prec`` (the one place they are built)."""
+        return IndexerOptions.resolve(topk=self.topk, pool_size=self.pool, precision=prec,
+                                      tail="compact" if self.select_tail else "fixed")
+
+    def forward(self, x, q_resid, keys, prec: PrecisionConfig) -> torch.Tensor:
+        """x ``[M, D]``, q_resid ``[M, q_lora_rank]`` → int32 ``[M, topk (+ pool-1 with the tail)]``
+        global token ids, against the pools of the key source ``keys``: the packed batch
+        (:class:`~inductor_ext.ops.kpool_pipeline.PackedKeys`), the context-parallel gather
+        (:class:`~inductor_ext.parallel.GatheredKeys`) or the decode cache
+        (:class:`~graphs.cache.CachedKeys`)."""
+        weights, opts = self.weights(), self.options(prec)
+        check_indexer_inputs(x, q_resid, weights, opts)
+        ids = run_indexer(x, q_resid, weights, opts, keys)
         return ids if self.select_tail else ids[:, : self.topk]
+
+
+class DSACache:
+    """A DSA layer's decode state: the MLA latent of every token so far (:class:`~graphs.cache.Buffer`
+    ``[n, t, kv_lora_rank]``, what serving caches) and, for a layer with its own indexer, its
+    :class:`~graphs.cache.CachedKeys`."""
+
+    def __init__(self, latent: torch.Tensor, keys: CachedKeys | None):
+        self.latent, self.keys = Buffer(latent), keys
 
 
 class IndexedAttention(nn.Module):
@@ -86,13 +110,34 @@ class IndexedAttention(nn.Module):
         rank's local tokens, the ids are global, and the attention reads the latent of every rank,
         all-gathered into global order (its gradient returns by reduce-scatter); the decompressed
         form then maps the whole gathered latent through kv_b on every rank."""
-        T = x.shape[0]
-        q_resid, q = self.query(x, prec)
         latent = self.latent(x, prec)
         if cp is not None:
-            latent = cp.unshard(latent)
+            return self.attend(x, cp.unshard(latent), GatheredKeys(cp), prev_ids, prec)
+        if cu_seqlens is None:  # one document, built on the device (safe inside CUDA-graph capture)
+            cu_seqlens = torch.arange(2, dtype=torch.int64, device=x.device) * x.shape[0]
+        return self.attend(x, latent, PackedKeys(cu_seqlens, x.shape[0]), prev_ids, prec)
+
+    def prefill(self, x, num_seqs: int, prev_ids, prec: PrecisionConfig):
+        """:meth:`attend` on ``num_seqs`` packed prompts of equal length (absorbed form) →
+        (``[T, hidden]``, token ids, the layer's :class:`DSACache`)."""
+        latent = self.latent(x, prec)
+        cache = DSACache(latent.view(num_seqs, -1, latent.shape[-1]), None if self.shared else CachedKeys(num_seqs))
+        return (*self.attend(x, latent, cache.keys, prev_ids, prec), cache)
+
+    def step(self, x, prev_ids, cache: DSACache, prec: PrecisionConfig):
+        """:meth:`attend` on one new token per sequence ``x [n, hidden]`` against ``cache`` (appended
+        in place) → (``[n, hidden]``, token ids)."""
+        cache.latent.append(self.latent(x, prec))
+        latent = cache.latent.view()
+        return self.attend(x, latent.reshape(-1, latent.shape[-1]), cache.keys, prev_ids, prec)
+
+    def attend(self, x, latent, keys, prev_ids, prec: PrecisionConfig):
+        """The attention of the query rows ``x [M, hidden]`` over ``latent [S, R]`` (every key token),
+        the indexer scoring against ``keys`` (a shared layer: ``prev_ids``) → (``[M, hidden]``, ids)."""
+        M = x.shape[0]
+        q_resid, q = self.query(x, prec)
         if self.indexer is not None:
-            ids = self.indexer(x, q_resid, cu_seqlens, prec, cp)
+            ids = self.indexer(x, q_resid, keys, prec)
         elif prev_ids is None:
             raise ValueError("IndexedAttention: a shared-indexer layer needs the previous DSA layer's token ids")
         else:
@@ -103,14 +148,14 @@ class IndexedAttention(nn.Module):
             kv = self.kv_b_proj(latent).view(latent.shape[0], self.num_heads, -1)
             k, v = kv.split([self.nope, self.v_dim], dim=-1)
             out = sparse_attention(q, k, v, ids, scale=self.scale, impl=self.impl)
-        return linear(self.o_proj, out.reshape(T, -1), prec), ids
+        return linear(self.o_proj, out.reshape(M, -1), prec), ids
 
-    def query(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(self, x: torch.Tensor, prec: PrecisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_resid ``[T, q_lora_rank]`` (the indexer's query input), q_nope ``[T, H, nope]``)."""
         q_resid = self.q_a_layernorm(linear(self.q_a_proj, x, prec), prec)
         return q_resid, linear(self.q_b_proj, q_resid, prec).view(x.shape[0], self.num_heads, self.nope)
 
-    def latent(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
+    def latent(self, x: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
         """The MLA latent ``kv_a_layernorm(kv_a_proj_with_mqa(x))`` ``[T, kv_lora_rank]``: what serving caches."""
         return self.kv_a_layernorm(linear(self.kv_a_proj_with_mqa, x, prec), prec)
 
@@ -120,13 +165,13 @@ class IndexedAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, ids: torch.Tensor,
-                           prec: PrecisionConfig | None = None) -> torch.Tensor:
+                           prec: PrecisionConfig) -> torch.Tensor:
         """Absorbed MLA over the selected ids: q ``[T, H, nope]``, latent ``[S, R]`` (S keys; the
         ids index it) → ``[T, H, v_dim]``. The absorbed query and the latent output are rounded to
         the model dtype (the serving engine's BF16 GEMM outputs); with ``prec.batch_invariant`` both
         per-head products run as ``ops.bi_grouped_linear`` with one group per head."""
         w_k, w_v = self.kv_b_halves()
-        if prec is not None and prec.batch_invariant:
+        if prec.batch_invariant:
             q_abs = _per_head_linear(q, w_k.transpose(1, 2))
             return _per_head_linear(ops.sparse_mla(q_abs, latent, ids, scale=self.scale), w_v)
         q_abs = torch.einsum("thn,hnr->thr", q, w_k)

@@ -19,22 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphs.config import GLM53Config
+from graphs.kda_replay import replay_prefill, replay_step
 from graphs.modules import linear
 from inductor_ext import PrecisionConfig, ops
-from inductor_ext.ops.packing import segment_of
+from inductor_ext.ops.packing import document_positions
 from inductor_ext.parallel.context import CPContext
 from inductor_ext.parallel.halo import halo_exchange, with_halo
 from inductor_ext.parallel.kda import kda_chunk_cp
 
-__all__ = ["ForgetGate", "GatedRMSNorm", "LinearAttention", "document_positions"]
-
-
-def document_positions(cu_seqlens: torch.Tensor | None, num_tokens: int, device) -> torch.Tensor:
-    """Position of every packed token inside its document, int64 ``[T]`` (no host sync)."""
-    tok = torch.arange(num_tokens, device=device, dtype=torch.int64)
-    if cu_seqlens is None:
-        return tok
-    return tok - cu_seqlens[segment_of(cu_seqlens, tok)]
+__all__ = ["ForgetGate", "GatedRMSNorm", "LinearAttention"]
 
 
 class ForgetGate(nn.Module):
@@ -49,7 +42,7 @@ class ForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.lower_bound, self.head_dim = config.linear_lower_bound, K
 
-    def forward(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
         g = linear(self.f_b_proj, linear(self.f_a_proj, x, prec), prec).float() + self.dt_bias.float()
         g = g.view(x.shape[0], -1, self.head_dim)
         rate = self.A_log.float().exp()[:, None]
@@ -67,9 +60,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
         xf = x.float()
-        if prec is not None and prec.batch_invariant:
+        if prec.batch_invariant:
             mean_square = ops.bi_row_sum(xf.square()).unsqueeze(-1) / xf.shape[-1]
         else:
             mean_square = xf.square().mean(-1, keepdim=True)
@@ -135,7 +128,45 @@ class LinearAttention(nn.Module):
         qkv = self.short_conv(raw, cp.doc_positions, halo_exchange(raw, cp, self.kernel - 1))
         return self.mix(x, qkv, None, prec, serving, cp=cp)[0]
 
-    def qkv_proj(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, num_seqs: int, prev_ids, prec: PrecisionConfig):
+        """The serving forward of ``num_seqs`` packed prompts of equal length ``x [n·t, hidden]`` →
+        (``[n·t, hidden]``, None (no token ids; ``prev_ids`` unused: the DSA layer's interface), the
+        layer's decode cache ``{"length", "window", "state", ...}``): the
+        short-conv window (the last ``kernel - 1`` pre-conv rows, zeros before a short prompt), then
+        the FP32 recurrent state, or under ``prec.batch_invariant`` the chunk-replay cache
+        (:mod:`graphs.kda_replay`)."""
+        n, W = num_seqs, self.kernel - 1
+        t = x.shape[0] // n
+        cu = torch.arange(n + 1, dtype=torch.int64, device=x.device) * t
+        raw = self.qkv_proj(x, prec)
+        qkv = self.short_conv(raw, document_positions(cu, x.shape[0], x.device))
+        window = raw.view(n, t, -1)[:, max(t - W, 0):]
+        window = torch.cat([window.new_zeros(n, W - window.shape[1], window.shape[2]), window], 1)
+        if prec.batch_invariant:
+            out, cache = replay_prefill(self, x, qkv, n, t, prec)
+        else:
+            out, state = self.mix(x, qkv, cu, prec, serving=True)
+            cache = {"state": state}
+        cache.update(length=t, window=window)
+        return out, None, cache
+
+    def step(self, x: torch.Tensor, prev_ids, cache: dict, prec: PrecisionConfig):
+        """One new token per sequence ``x [n, hidden]`` → (``[n, hidden]``, None), ``cache`` updated in place:
+        the conv over each window + the new row (document position ``length``), then one recurrence
+        step from the cached state, or the chunk replay of the open chunk."""
+        n, W = x.shape[0], self.kernel - 1
+        t = cache["length"] + 1
+        span = torch.cat([cache["window"], self.qkv_proj(x, prec)[:, None]], dim=1)  # [n, W + 1, C]
+        pos = torch.arange(t - 1 - W, t, device=x.device).repeat(n)
+        qkv = self.short_conv(span.reshape(n * (W + 1), -1), pos)[W::W + 1]
+        cache.update(length=t, window=span[:, 1:])
+        if prec.batch_invariant:
+            return replay_step(self, x, qkv, t, cache, prec)[0], None
+        one_token_docs = torch.arange(n + 1, dtype=torch.int64, device=x.device)
+        out, cache["state"] = self.mix(x, qkv, one_token_docs, prec, serving=True, initial_state=cache["state"])
+        return out, None
+
+    def qkv_proj(self, x: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
         """The q, k, v projections side by side, ``[T, 3·H·K]`` in x's dtype (the short conv's input)."""
         return torch.cat([linear(proj, x, prec) for proj in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
 
@@ -171,10 +202,8 @@ class LinearAttention(nn.Module):
         elif serving and not prec.batch_invariant:
             o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         else:
-            # batch-invariant FP32: rows must not depend on the later rows of their chunk (decode replay)
-            kda = "fp32_causal" if prec.batch_invariant and prec.kda == "fp32" else prec.kda
             o, state = ops.kda_chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                     precision=kda)
+                                     precision=ops.kda_chunk_path(prec))
         return o[0], state
 
     def output(self, x: torch.Tensor, o: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:

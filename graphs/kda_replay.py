@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import torch
 
-from graphs.kda_layer import LinearAttention
 from inductor_ext import PrecisionConfig
 from inductor_ext.ops.kda_reference import CHUNK
 
 __all__ = ["CHUNK", "replay_prefill", "replay_step"]
 
 
-def _core(attn: LinearAttention, qkv, g, beta, prec, state):
+def _core(attn, qkv, g, beta, prec, state):
     """``attn.core`` (chunk form) of n packed documents of ``length`` rows each: ``[n, length, ·]`` inputs."""
     n, length = qkv.shape[:2]
     cu = torch.arange(n + 1, dtype=torch.int64, device=qkv.device) * length
@@ -50,7 +49,7 @@ def _core(attn: LinearAttention, qkv, g, beta, prec, state):
     return o.view(n, length, *o.shape[1:]), final
 
 
-def replay_prefill(attn: LinearAttention, x: torch.Tensor, qkv: torch.Tensor, n: int, length: int,
+def replay_prefill(attn, x: torch.Tensor, qkv: torch.Tensor, n: int, length: int,
                    prec: PrecisionConfig, initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The chunk forward of n packed documents of ``length`` tokens (``x [n·length, hidden]``, post-conv
     ``qkv [n·length, 3·H·K]``, optional FP32 ``initial_state [n, H, K, V]``) → (out ``[n·length, hidden]``,
@@ -78,7 +77,7 @@ def replay_prefill(attn: LinearAttention, x: torch.Tensor, qkv: torch.Tensor, n:
     return attn.output(x, o.reshape(n * length, *o.shape[2:]), prec), cache
 
 
-def replay_step(attn: LinearAttention, x: torch.Tensor, qkv: torch.Tensor, length: int, cache: dict,
+def replay_step(attn, x: torch.Tensor, qkv: torch.Tensor, length: int, cache: dict,
                 prec: PrecisionConfig) -> tuple[torch.Tensor, dict]:
     """One new token per sequence (``x [n, hidden]``, post-conv ``qkv [n, 3·H·K]``), each now at
     document position ``length - 1`` → (its chunk-forward output row ``[n, hidden]``, ``cache``

@@ -89,13 +89,26 @@ class DecoderLayer(nn.Module):
                              f"got {tuple(streams.shape)}")
         check_tokens(streams.shape[0], cu_seqlens, streams.device)
         check_cp(streams.shape[0], cu_seqlens, cp)
-        x, post, comb = self.attn_input(streams, prec)
-        ids = None
         if self.kind == "linear_attention":
-            x = self.self_attn(x, cu_seqlens, prec, serving, cp=cp)
-        else:
-            x, ids = self.self_attn(x, cu_seqlens, prev_ids, prec, cp=cp)
-        return self.ffn(self.mhc_post(x, streams, post, comb, prec), prec), ids
+            return self.around(streams, prec, lambda x: (self.self_attn(x, cu_seqlens, prec, serving, cp=cp), None))
+        return self.around(streams, prec, lambda x: self.self_attn(x, cu_seqlens, prev_ids, prec, cp=cp))
+
+    def prefill(self, streams, num_seqs: int, prev_ids, prec: PrecisionConfig):
+        """The serving forward of ``num_seqs`` packed prompts of equal length → (streams, token ids,
+        the attention's decode cache): the layer around its attention's ``prefill``."""
+        return self.around(streams, prec, lambda x: self.self_attn.prefill(x, num_seqs, prev_ids, prec))
+
+    def step(self, streams, prev_ids, cache, prec: PrecisionConfig):
+        """One new token per sequence, ``streams [n, N, D]`` → (streams, token ids): the layer around
+        its attention's ``step`` on ``cache`` (updated in place)."""
+        return self.around(streams, prec, lambda x: self.self_attn.step(x, prev_ids, cache, prec))
+
+    def around(self, streams, prec: PrecisionConfig, attend):
+        """The layer around its token mixer: mHC-pre → RMSNorm → ``attend(x) -> (out, ids, *rest)`` →
+        mHC-post → the FFN half; → (streams, ids, *rest). One body for forward, prefill and step."""
+        x, post, comb = self.attn_input(streams, prec)
+        out, *rest = attend(x)
+        return (self.ffn(self.mhc_post(out, streams, post, comb, prec), prec), *rest)
 
     def attn_input(self, streams, prec: PrecisionConfig):
         """mHC-pre + RMSNorm of the attention half: (sublayer input ``[T, D]``, post, comb)."""
@@ -222,13 +235,19 @@ class GLM53Model(nn.Module):
         tokens = input_ids.reshape(-1)
         check_tokens(tokens.shape[0], cu_seqlens, tokens.device)
         check_cp(tokens.shape[0], cu_seqlens, cp)
-        x = self.embed_tokens(tokens)
-        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        hidden, ids = [], None
+        streams, hidden, ids = self.embed(tokens), [], None
         for layer in self.layers:
             streams, ids = layer(streams, cu_seqlens, ids, precision, serving, cp=cp)
             hidden.append(streams)
-        return self.norm(stream_mean(streams, precision), precision), tuple(hidden)
+        return self.final_norm(streams, precision), tuple(hidden)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[T]`` → the ``hc_mult`` mHC streams ``[T, N, D]`` (N copies of the embedding)."""
+        return self.embed_tokens(tokens).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+    def final_norm(self, streams: torch.Tensor, precision: PrecisionConfig) -> torch.Tensor:
+        """The lm_head input ``[T, D]`` of the last layer's streams: their mean, the final RMSNorm."""
+        return self.norm(stream_mean(streams, precision), precision)
 
     @classmethod
     def from_hf(cls, hf_model_or_state_dict, config=None, precision: PrecisionConfig | None = None) -> GLM53Model:

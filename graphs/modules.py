@@ -43,10 +43,10 @@ def cast_model(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     return module
 
 
-def linear(layer: nn.Linear, x: torch.Tensor, prec: PrecisionConfig | None) -> torch.Tensor:
+def linear(layer: nn.Linear, x: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
     """``layer(x)``; with ``prec.batch_invariant`` the batch-invariant ``ops.bi_linear`` (fixed K
     order, each row independent of the others in the call) with the same weight and bias."""
-    if prec is not None and prec.batch_invariant:
+    if prec.batch_invariant:
         return ops.bi_linear(x, layer.weight, layer.bias)
     return layer(x)
 
@@ -69,8 +69,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> torch.Tensor:
-        if prec is not None and prec.batch_invariant:
+    def forward(self, x: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:
+        if prec.batch_invariant:
             return ops.bi_rms_norm(x, self.weight, self.variance_epsilon)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.variance_epsilon)
@@ -88,10 +88,10 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, config.hc_eps, config.hc_sinkhorn_iters
 
-    def forward(self, streams: torch.Tensor, prec: PrecisionConfig | None = None):
+    def forward(self, streams: torch.Tensor, prec: PrecisionConfig):
         """streams ``[T, N, D]`` → (sublayer input ``[T, D]``, post ``[T, N]``, comb ``[T, N, N]``);
         with ``prec.batch_invariant`` through ``ops.mhc_pre_batch_invariant``."""
-        pre = ops.mhc_pre_batch_invariant if prec is not None and prec.batch_invariant else ops.mhc_pre
+        pre = ops.mhc_pre_batch_invariant if prec.batch_invariant else ops.mhc_pre
         return pre(streams, self.fn, self.base, self.scale, norm_eps=self.norm_eps, hc_eps=self.hc_eps,
                    sinkhorn_iters=self.iters)
 
@@ -128,7 +128,7 @@ class TopkRouter(nn.Module):
         self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor, prec: PrecisionConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, prec: PrecisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, D]`` → (expert ids ``[T, top_k]`` int64, FP32 combine weights ``[T, top_k]``).
 
         transformers ``Glm5NextTextTopkRouter`` semantics: weights are the picked sigmoid scores,
@@ -138,7 +138,7 @@ class TopkRouter(nn.Module):
         lower id wins; ``torch.topk`` promises no order among ties) and the normalizing sum in
         top-k order."""
         T, E = x.shape[0], self.weight.shape[0]
-        invariant = prec is not None and prec.batch_invariant
+        invariant = prec.batch_invariant
         if invariant:
             scores = ops.bi_linear(x, self.weight.float(), out_dtype=torch.float32).sigmoid()
         else:

@@ -57,6 +57,8 @@ class _TextModel:
     """Grafted onto ``Glm5NextTextModel``: the text model's forward on this project's layers."""
 
     final_hidden = GLM53Model.final_hidden
+    embed = GLM53Model.embed
+    final_norm = GLM53Model.final_norm
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, cu_seqlens=None, output_hidden_states=None, return_dict=None, past_key_values=None,

@@ -49,6 +49,13 @@ from inductor_ext.ops._checks import check_cu_seqlens_values, input_error, real,
 FP32_PRECISIONS = ("fp32", "fp32_causal")
 OP_PRECISIONS = (*PRECISIONS, "fp32_causal")
 
+
+def kda_chunk_path(config) -> str:
+    """The ``kda_chunk`` precision argument that runs ``config.kda`` (a
+    :class:`~inductor_ext.PrecisionConfig`) as the config asks: ``"fp32_causal"`` for FP32 under
+    ``batch_invariant``, else ``config.kda``."""
+    return "fp32_causal" if config.batch_invariant and config.kda == "fp32" else config.kda
+
 __all__ = [
     "CHUNK",
     "FP32_KERNEL_MAX_DIM",
@@ -56,6 +63,7 @@ __all__ = [
     "PRECISIONS",
     "OP_PRECISIONS",
     "FP32_PRECISIONS",
+    "kda_chunk_path",
     "kda_chunk_reference",
     "kda_chunk_reference_kernel",
     "kda_chunk_bwd_reference_kernel",

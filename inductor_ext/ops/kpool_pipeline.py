@@ -1,17 +1,27 @@
-"""The composite KPool indexer the DSA layer calls, :func:`kpool_indexer`, and its stages shared
-with the context-parallel form (:mod:`inductor_ext.parallel.indexer`) and the serving decoder
-(:mod:`graphs.decode`): :func:`indexer_project` (:func:`indexer_keys`, :func:`indexer_query`),
-:func:`indexer_pools`, :func:`indexer_scorer_query`, :func:`indexer_score_select`.
-The ops it composes, their contracts and input checks: :mod:`inductor_ext.ops.kpool`.
+"""The KPool indexer as one pipeline: :class:`IndexerWeights` (the seven parameters),
+:class:`IndexerOptions` (geometry and precision, built in one place: :meth:`IndexerOptions.resolve`)
+and a key source (:class:`PackedKeys` here; the context-parallel gather in
+:mod:`inductor_ext.parallel.indexer`; the decode cache in :mod:`graphs.cache`) run by
+:func:`run_indexer`::
+
+    k, gate, w, q = project(x, q_resid)              # per token
+    pool, scale, rows = keys.pools(k, gate, ...)       # the seam: where keys and pools come from
+    q, w = scorer_query(q, w)                          # fp8 quantization of the query
+    ids = score_select(q, w, pool, scale, *rows)       # glm53::kpool_score_select
+
+:func:`kpool_indexer` is the op-level entry (flat arguments, one packed batch). The ops it composes,
+their contracts and input checks: :mod:`inductor_ext.ops.kpool`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from inductor_ext import workspace
 from inductor_ext.config import KPOOL_POOLINGS as POOLINGS
-from inductor_ext.config import active_config
+from inductor_ext.config import PrecisionConfig, active_config
 from inductor_ext.ops import kpool_reference as ref
 from inductor_ext.ops._checks import input_error, tensors
 from inductor_ext.ops.batch_invariant import bi_linear
@@ -37,17 +47,113 @@ from inductor_ext.ops.kpool import (
     kpool_select,
 )
 
-__all__ = ["kpool_indexer", "indexer_precision", "indexer_project", "indexer_keys", "indexer_query", "indexer_pools",
-           "indexer_scorer_query", "indexer_score_select"]
+__all__ = ["IndexerWeights", "IndexerOptions", "PackedKeys", "run_indexer", "check_indexer_inputs", "kpool_indexer",
+           "indexer_pools", "indexer_score_select"]
 
 
-def indexer_precision(kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb) -> tuple:
-    """The indexer's precision arguments with each ``None`` taken from the active config (read while
-    tracing, so each is a constant of the graph), in the order given."""
-    cfg = active_config()
-    given = (kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
-    fields = (cfg.kpool, cfg.kpool_pooling, cfg.head_proj, cfg.mqa_layout, cfg.logits_budget_mb)
-    return tuple(f if g is None else g for g, f in zip(given, fields))
+class IndexerWeights(NamedTuple):
+    """The indexer's parameters (names of transformers ``Glm5NextTextIndexer``): wq_b ``[H·128, Qr]``,
+    wk ``[128, hidden]``, k_norm_weight / k_norm_bias ``[128]``, weights_proj ``[H, hidden]``,
+    compress_gate ``[128, hidden]``, compress_ape ``[P, 128]``."""
+
+    wq_b: torch.Tensor
+    wk: torch.Tensor
+    k_norm_weight: torch.Tensor
+    k_norm_bias: torch.Tensor
+    weights_proj: torch.Tensor
+    compress_gate: torch.Tensor
+    compress_ape: torch.Tensor
+
+
+class IndexerOptions(NamedTuple):
+    """Everything but tensors that decides the indexer's ids: geometry (``topk``, ``pool_size``,
+    ``tail``), precision (the :class:`~inductor_ext.PrecisionConfig` fields ``kpool``,
+    ``kpool_pooling``, ``head_proj``, ``mqa_layout``, ``logits_budget_mb``, ``batch_invariant``) and
+    the serving constants ``scale_fmt``, ``eps``. Build it with :meth:`resolve`."""
+
+    topk: int
+    pool_size: int
+    tail: str
+    kpool: str
+    kpool_pooling: str
+    head_proj: str
+    mqa_layout: str
+    logits_budget_mb: int
+    batch_invariant: bool
+    scale_fmt: str = INDEXER_SCALE_FMT
+    eps: float = INDEXER_EPS
+
+    @classmethod
+    def resolve(cls, *, topk: int, pool_size: int = 4, tail: str = "compact", precision: PrecisionConfig | None = None,
+                kpool=None, kpool_pooling=None, head_proj=None, mqa_layout=None, logits_budget_mb=None,
+                batch_invariant=None, scale_fmt: str = INDEXER_SCALE_FMT, eps: float = INDEXER_EPS) -> IndexerOptions:
+        """The options, each precision field ``None`` taken from ``precision`` (else the active config,
+        read while tracing, so each is a constant of the graph); checked (``ValueError`` naming the field)."""
+        cfg = active_config() if precision is None else precision
+        given = dict(kpool=kpool, kpool_pooling=kpool_pooling, head_proj=head_proj, mqa_layout=mqa_layout,
+                     logits_budget_mb=logits_budget_mb, batch_invariant=batch_invariant)
+        fields = {name: getattr(cfg, name) if value is None else value for name, value in given.items()}
+        opts = cls(topk=topk, pool_size=pool_size, tail=tail, scale_fmt=scale_fmt, eps=eps, **fields)
+        check_choice("kpool", opts.kpool, PRECISIONS)
+        check_choice("kpool_pooling", opts.kpool_pooling, POOLINGS)
+        check_choice("mqa_layout", opts.mqa_layout, workspace.LAYOUTS)
+        check_choice("scale_fmt", opts.scale_fmt, ref.SCALE_FMTS)
+        check_choice("tail", opts.tail, TAILS)
+        check_pool_geometry(opts.topk, opts.pool_size)
+        check_positive_int("logits_budget_mb", opts.logits_budget_mb)
+        return opts
+
+
+class PackedKeys:
+    """The key source of one packed batch: every query's keys are the batch's own, pooled per
+    document (``cu_seqlens [N+1]`` over ``num_tokens`` tokens)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, num_tokens: int):
+        self.cu_seqlens, self.num_tokens = cu_seqlens, num_tokens
+
+    def pools(self, k, gate, ape, opts: IndexerOptions):
+        """``(pool [S, 128], scale [S], (q_lo, q_n, tail_start, tail_len))`` of the batch's keys."""
+        pool_token, *rows = kpool_layout(self.cu_seqlens, self.num_tokens, opts.pool_size)
+        return (*indexer_pools(k, gate, ape, pool_token, opts), rows)
+
+
+def check_indexer_inputs(x, q_resid, weights: IndexerWeights, opts: IndexerOptions) -> None:
+    """Static checks of the indexer's inputs (``ValueError`` naming the rule)."""
+    tensors("kpool", x=x, q_resid=q_resid, **dict(zip(IndexerWeights._fields, weights)))
+    check_tensor("x", x, dims=2, dtypes=FLOAT_DTYPES)
+    T = x.shape[0]
+    if T < 1:
+        raise input_error("kpool: the indexer needs at least one token (T >= 1)")
+    if opts.kpool == "fp8" and x.dtype != torch.bfloat16:
+        raise input_error(f"kpool: the fp8 indexer takes bf16 hidden states, got {x.dtype}")
+    H = weights.weights_proj.shape[0]
+    check_heads(H, "weights_proj.shape[0]")
+    check_tensor("q_resid", q_resid, dims=2, dtypes=(x.dtype,))
+    if q_resid.shape[0] != T:
+        raise input_error(f"kpool: q_resid must have T={T} rows, got {tuple(q_resid.shape)}")
+    check_tensor("wq_b", weights.wq_b, dtypes=(x.dtype,), shape=(H * ref.HEAD_DIM, q_resid.shape[1]))
+    check_tensor("compress_ape", weights.compress_ape, dtypes=FLOAT_DTYPES, shape=(opts.pool_size, ref.HEAD_DIM))
+    check_same_device(x=x, q_resid=q_resid, wq_b=weights.wq_b, compress_ape=weights.compress_ape)
+
+
+def run_indexer(x, q_resid, weights: IndexerWeights, opts: IndexerOptions, keys) -> torch.Tensor:
+    """Selected token ids int32 ``[M, topk + P - 1]`` of the query rows ``x [M, hidden]``,
+    ``q_resid [M, Qr]`` against the pools ``keys`` builds (a key source: ``keys.pools(k, gate, ape,
+    opts)`` → ``(pool, scale, (q_lo, q_n, tail_start, tail_len))``, ``keys.num_tokens`` the id bound
+    or None). Inputs checked by :func:`check_indexer_inputs`; runs under no_grad (frozen indexer)."""
+    with torch.no_grad():
+        project = kpool_project_batch_invariant if opts.batch_invariant else kpool_project
+        k, gate, w = project(x, weights.wk, weights.k_norm_weight, weights.k_norm_bias, weights.weights_proj,
+                             weights.compress_gate, eps=opts.eps, head_proj=opts.head_proj)
+        with torch.autocast(device_type=q_resid.device.type, enabled=False):
+            q = (bi_linear if opts.batch_invariant else torch.nn.functional.linear)(q_resid, weights.wq_b)
+        q = q.view(q_resid.shape[0], -1, ref.HEAD_DIM)
+        pool, pool_scale, rows = keys.pools(k, gate, weights.compress_ape, opts)
+        if opts.kpool == "bf16":
+            q = q.to(torch.bfloat16)
+        else:
+            q, w = kpool_quant_query(q, w, scale_fmt=opts.scale_fmt)
+        return indexer_score_select(q, w, pool, pool_scale, *rows, opts, num_tokens=keys.num_tokens)
 
 
 def kpool_indexer(
@@ -56,13 +162,13 @@ def kpool_indexer(
     mqa_layout=None, logits_budget_mb=None, scale_fmt=INDEXER_SCALE_FMT, tail="compact", eps=INDEXER_EPS,
     batch_invariant=False,
 ):
-    """The GLM-5.3 KPool indexer: selected token ids per query, one call for the DSA layer.
+    """The GLM-5.3 KPool indexer on one packed batch, flat arguments: :func:`run_indexer` with
+    :class:`PackedKeys`.
 
     Args:
         x: hidden states ``[T, hidden]`` (model dtype, bf16 for the FP8 path); q_resid ``[T, Qr]``.
-        wq_b: ``[H·128, Qr]``; wk ``[128, hidden]``; k_norm_weight/bias ``[128]``;
-            weights_proj ``[H, hidden]``; compress_gate ``[128, hidden]``; compress_ape ``[P, 128]``
-            (parameter names of transformers ``Glm5NextTextIndexer``). H in 32, 64, 128.
+        wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape: the
+            :class:`IndexerWeights`. H in 32, 64, 128.
         cu_seqlens: int64 ``[N+1]`` packed document offsets (``None``: one document of T tokens).
         topk: selected tokens per query (GLM-5.3: 2048), a multiple of P.
         pool_size: tokens per pool P (model geometry, GLM-5.3: 4).
@@ -84,106 +190,44 @@ def kpool_indexer(
         Pools are stored in BF16 (or FP8) whatever the model dtype: an FP32 model's k, gate and q
         are rounded to BF16 before pooling and scoring.
     """
-    P = pool_size
-    kpool, kpool_pooling, head_proj, layout, budget_mb = indexer_precision(
-        kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
-    tensors("kpool", optional=("cu_seqlens",), x=x, q_resid=q_resid, wq_b=wq_b, wk=wk, k_norm_weight=k_norm_weight,
-            k_norm_bias=k_norm_bias, weights_proj=weights_proj, compress_gate=compress_gate,
-            compress_ape=compress_ape, cu_seqlens=cu_seqlens)
-    check_choice("kpool", kpool, PRECISIONS)
-    check_choice("kpool_pooling", kpool_pooling, POOLINGS)
-    check_choice("mqa_layout", layout, workspace.LAYOUTS)
-    check_choice("scale_fmt", scale_fmt, ref.SCALE_FMTS)
-    check_choice("tail", tail, TAILS)
-    check_pool_geometry(topk, P)
-    check_positive_int("logits_budget_mb", budget_mb)
-    check_tensor("x", x, dims=2, dtypes=FLOAT_DTYPES)
-    T = x.shape[0]
-    if T < 1:
-        raise input_error("kpool: the indexer needs at least one token (T >= 1)")
-    if kpool == "fp8" and x.dtype != torch.bfloat16:
-        raise input_error(f"kpool: the fp8 indexer takes bf16 hidden states, got {x.dtype}")
-    H = weights_proj.shape[0]
-    check_heads(H, "weights_proj.shape[0]")
-    check_tensor("q_resid", q_resid, dims=2, dtypes=(x.dtype,))
-    if q_resid.shape[0] != T:
-        raise input_error(f"kpool: q_resid must have T={T} rows, got {tuple(q_resid.shape)}")
-    check_tensor("wq_b", wq_b, dtypes=(x.dtype,), shape=(H * ref.HEAD_DIM, q_resid.shape[1]))
-    check_tensor("compress_ape", compress_ape, dtypes=FLOAT_DTYPES, shape=(P, ref.HEAD_DIM))
+    weights = IndexerWeights(wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape)
+    opts = IndexerOptions.resolve(topk=topk, pool_size=pool_size, tail=tail, kpool=kpool, kpool_pooling=kpool_pooling,
+                                  head_proj=head_proj, mqa_layout=mqa_layout, logits_budget_mb=logits_budget_mb,
+                                  batch_invariant=batch_invariant, scale_fmt=scale_fmt, eps=eps)
+    check_indexer_inputs(x, q_resid, weights, opts)
+    tensors("kpool", optional=("cu_seqlens",), cu_seqlens=cu_seqlens)
     if cu_seqlens is None:
         # built on the device (no host-to-device copy, so it is safe inside CUDA-graph capture)
-        cu_seqlens = torch.arange(2, dtype=torch.int64, device=x.device) * T
-    check_same_device(x=x, q_resid=q_resid, wq_b=wq_b, compress_ape=compress_ape, cu_seqlens=cu_seqlens)
-
-    with torch.no_grad():  # frozen indexer: integer outputs, no autograd graph
-        k, gate, w, q = indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
-                                        compress_gate, eps=eps, head_proj=head_proj, batch_invariant=batch_invariant)
-        pool_token, q_lo, q_n, tail_start, tail_len = kpool_layout(cu_seqlens, T, P)
-        pool, pool_scale = indexer_pools(k, gate, compress_ape, pool_token, kpool=kpool, kpool_pooling=kpool_pooling,
-                                         scale_fmt=scale_fmt)
-        q, w = indexer_scorer_query(q, w, kpool=kpool, scale_fmt=scale_fmt)
-        return indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
-                                    layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
-                                    batch_invariant=batch_invariant, num_tokens=T)
+        cu_seqlens = torch.arange(2, dtype=torch.int64, device=x.device) * x.shape[0]
+    check_same_device(x=x, cu_seqlens=cu_seqlens)
+    return run_indexer(x, q_resid, weights, opts, PackedKeys(cu_seqlens, x.shape[0]))
 
 
-def indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps,
-                    head_proj, batch_invariant):
-    """The indexer's projections, ``(k, gate, w, q [T, H, 128])``: :func:`indexer_keys` and
-    :func:`indexer_query`. Shared by :func:`kpool_indexer` and its context-parallel form."""
-    k, gate, w = indexer_keys(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps=eps,
-                              head_proj=head_proj, batch_invariant=batch_invariant)
-    return k, gate, w, indexer_query(q_resid, wq_b, batch_invariant=batch_invariant)
-
-
-def indexer_keys(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, *, eps, head_proj,
-                 batch_invariant):
-    """``(k [T, 128], gate [T, 128], w [T, H])``: :func:`kpool_project`, or
-    :func:`kpool_project_batch_invariant` when ``batch_invariant`` (same arguments and dtypes)."""
-    project = kpool_project_batch_invariant if batch_invariant else kpool_project
-    return project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps=eps, head_proj=head_proj)
-
-
-def indexer_query(q_resid, wq_b, *, batch_invariant):
-    """The indexer's query ``q_resid · wq_bᵀ`` as ``[T, H, 128]`` in q_resid's dtype, autocast off
-    (``bi_linear`` when ``batch_invariant``)."""
-    with torch.autocast(device_type=q_resid.device.type, enabled=False):
-        q = (bi_linear if batch_invariant else torch.nn.functional.linear)(q_resid, wq_b)
-    return q.view(q_resid.shape[0], -1, ref.HEAD_DIM)
-
-
-def indexer_pools(k, gate, ape, pool_token, *, kpool, kpool_pooling, scale_fmt):
+def indexer_pools(k, gate, ape, pool_token, opts: IndexerOptions):
     """``(pool [S, 128], scale [S] fp32)``: :func:`kpool_compress` in the indexer's mode for
-    ``kpool``: ``"bf16"`` rounds k and gate to BF16 and pools as ``kpool_pooling`` says
+    ``opts.kpool``: ``"bf16"`` rounds k and gate to BF16 and pools as ``opts.kpool_pooling`` says
     (``"reference"``: transformers' BF16 pooling, else FP32 pooling); ``"fp8"`` runs the serving
-    quantizer with ``scale_fmt`` scales (k and gate must already be BF16)."""
-    if kpool == "bf16":
-        mode = "bf16_reference" if kpool_pooling == "reference" else "bf16_fp32"
+    quantizer with ``opts.scale_fmt`` scales (k and gate must already be BF16)."""
+    if opts.kpool == "bf16":
+        mode = "bf16_reference" if opts.kpool_pooling == "reference" else "bf16_fp32"
         return kpool_compress(k.to(torch.bfloat16), gate.to(torch.bfloat16), ape, pool_token, mode=mode)
-    return kpool_compress(k, gate, ape, pool_token, mode=f"fp8_{scale_fmt}")
+    return kpool_compress(k, gate, ape, pool_token, mode=f"fp8_{opts.scale_fmt}")
 
 
-def indexer_scorer_query(q, w, *, kpool, scale_fmt):
-    """``(q, w)`` as the scorer takes them for ``kpool``: ``"bf16"`` q ``[M, H, 128]`` rounded to
-    BF16 with w as is; ``"fp8"`` :func:`kpool_quant_query`'s e4m3 q and folded FP32 w."""
-    if kpool == "bf16":
-        return q.to(torch.bfloat16), w
-    return kpool_quant_query(q, w, scale_fmt=scale_fmt)
-
-
-def indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, *, kpool, layout, budget_mb,
-                         topk, pool_size, tail, batch_invariant, num_tokens=None):
+def indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, opts: IndexerOptions, *,
+                         num_tokens=None):
     """Scores (:func:`kpool_logits`, or :func:`kpool_logits_batch_invariant`) and selection
     (:func:`kpool_select`) of the query rows ``q [M, H, 128]`` against ``pool [S, 128]``, in row
-    chunks whose scoring memory fits ``budget_mb`` MiB (the logits workspace; ``[rows, H, S]`` FP32
+    chunks whose scoring memory fits ``opts.logits_budget_mb`` MiB (the logits workspace; ``[rows, H, S]`` FP32
     products when ``batch_invariant``); ``num_tokens``: T, for :func:`kpool_select`'s eager id bound.
     Returns int32 ``[M, topk + P - 1]``.
 
     One op, ``glm53::kpool_score_select``: the chunk count depends on M and S, so the loop runs
     inside the op's kernel on concrete sizes, and a compiled graph holds one call whatever the token
     count (M and S stay symbolic; no Python arithmetic on them while tracing)."""
-    return torch.ops.glm53.kpool_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool,
-                                              layout, budget_mb, topk, pool_size, tail, batch_invariant, num_tokens)
+    return torch.ops.glm53.kpool_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, opts.kpool,
+                                              opts.mqa_layout, opts.logits_budget_mb, opts.topk, opts.pool_size,
+                                              opts.tail, opts.batch_invariant, num_tokens)
 
 
 def score_chunks(M: int, S: int, H: int, *, layout: str, budget_mb: int, batch_invariant: bool):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["segment_of"]
+__all__ = ["segment_of", "document_positions"]
 
 
 def segment_of(bounds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -17,3 +17,11 @@ def segment_of(bounds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     (pytorch/pytorch#182343; on torch 2.11 that put every token of the first document of a compiled
     h200 KDA layer at the wrong position on the H200)."""
     return (torch.searchsorted(bounds, index, right=True) - 1).clamp(0, bounds.shape[0] - 2)
+
+
+def document_positions(cu_seqlens: torch.Tensor | None, num_tokens: int, device) -> torch.Tensor:
+    """Position of every packed token inside its document, int64 ``[T]`` (no host sync)."""
+    tok = torch.arange(num_tokens, device=device, dtype=torch.int64)
+    if cu_seqlens is None:
+        return tok
+    return tok - cu_seqlens[segment_of(cu_seqlens, tok)]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from inductor_ext.parallel.collectives import all_gather, all_gather_tokens, gather_shards
 from inductor_ext.parallel.context import LAYOUTS, CPContext, cp_context
 from inductor_ext.parallel.halo import halo_exchange, with_halo
-from inductor_ext.parallel.indexer import gather_indexer_keys, kpool_indexer_cp, local_query_layout
+from inductor_ext.parallel.indexer import GatheredKeys, gather_indexer_keys, kpool_indexer_cp, local_query_layout
 from inductor_ext.parallel.kda import collect_document_states, fold_states, kda_chunk_cp
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "kda_chunk_cp",
     "fold_states",
     "collect_document_states",
+    "GatheredKeys",
     "gather_indexer_keys",
     "local_query_layout",
     "kpool_indexer_cp",

@@ -239,8 +239,8 @@ def _compare(world, device, layout, config, T, plant_sets=((),)):
     import torch.distributed as dist
 
     from graphs import GLM53Config, GLM53Model
-    from graphs.kda_layer import document_positions
     from inductor_ext import PrecisionConfig, ops
+    from inductor_ext.ops.packing import document_positions
     from inductor_ext.parallel import collect_document_states, cp_context, halo_exchange, kpool_indexer_cp
 
     prec = getattr(PrecisionConfig, config)()

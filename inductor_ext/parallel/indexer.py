@@ -31,7 +31,7 @@ from inductor_ext.ops import kpool as _kpool
 from inductor_ext.ops import kpool_pipeline as _pipeline
 from inductor_ext.parallel.context import CPContext
 
-__all__ = ["gather_indexer_keys", "local_query_layout", "kpool_indexer_cp"]
+__all__ = ["GatheredKeys", "gather_indexer_keys", "local_query_layout", "kpool_indexer_cp"]
 
 
 def gather_indexer_keys(k: torch.Tensor, gate: torch.Tensor, cp: CPContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,12 +54,30 @@ def local_query_layout(cp: CPContext, pool_size: int):
     return (pool_token, *(r.index_select(0, cp.positions) for r in rows))
 
 
+class GatheredKeys:
+    """The indexer's key source under context parallel: this rank's keys and gates all-gathered
+    into global order (:func:`gather_indexer_keys`), all the batch's pools built on every rank, the
+    local query rows' layout (:func:`local_query_layout`)."""
+
+    num_tokens = None  # ids are global; the eager id bound is the single-rank indexer's concern
+
+    def __init__(self, cp: CPContext):
+        self.cp = cp
+
+    def pools(self, k, gate, ape, opts: _pipeline.IndexerOptions):
+        """``(pool [S, 128], scale [S], (q_lo, q_n, tail_start, tail_len) of the local rows)``."""
+        k, gate = gather_indexer_keys(k, gate, self.cp)
+        pool_token, *rows = local_query_layout(self.cp, opts.pool_size)
+        return (*_pipeline.indexer_pools(k, gate, ape, pool_token, opts), rows)
+
+
 def kpool_indexer_cp(
     x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, compress_ape, cp: CPContext,
     *, topk, pool_size=4, kpool=None, kpool_pooling=None, head_proj=None, mqa_layout=None, logits_budget_mb=None,
     scale_fmt=_kpool.INDEXER_SCALE_FMT, tail="compact", eps=_kpool.INDEXER_EPS, batch_invariant=False,
 ):
-    """:func:`inductor_ext.ops.kpool_indexer` for the local tokens of a context-parallel batch.
+    """:func:`inductor_ext.ops.kpool_indexer` for the local tokens of a context-parallel batch:
+    :func:`~inductor_ext.ops.kpool_pipeline.run_indexer` with :class:`GatheredKeys`.
 
     Args:
         x: LOCAL hidden states ``[T_local, hidden]``; q_resid: LOCAL ``[T_local, Qr]``.
@@ -78,25 +96,14 @@ def kpool_indexer_cp(
 
     Collectives: one all-gather (:func:`gather_indexer_keys`). Runs under no_grad.
     """
-    P = pool_size
-    kpool, kpool_pooling, head_proj, layout, budget_mb = _pipeline.indexer_precision(
-        kpool, kpool_pooling, head_proj, mqa_layout, logits_budget_mb)
-    if kpool not in _kpool.PRECISIONS:
-        raise ValueError(f"kpool_indexer_cp: kpool must be one of {_kpool.PRECISIONS}, got {kpool!r}")
-    if kpool == "fp8" and x.dtype != torch.bfloat16:
-        raise ValueError(f"kpool_indexer_cp: the fp8 indexer takes bf16 hidden states, got {x.dtype}")
+    weights = _pipeline.IndexerWeights(wq_b, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate,
+                                       compress_ape)
+    opts = _pipeline.IndexerOptions.resolve(
+        topk=topk, pool_size=pool_size, tail=tail, kpool=kpool, kpool_pooling=kpool_pooling, head_proj=head_proj,
+        mqa_layout=mqa_layout, logits_budget_mb=logits_budget_mb, batch_invariant=batch_invariant,
+        scale_fmt=scale_fmt, eps=eps)
     if x.dim() != 2 or x.shape[0] != cp.local_tokens or q_resid.shape[0] != cp.local_tokens:
         raise ValueError(f"kpool_indexer_cp: x and q_resid must hold the T_local={cp.local_tokens} local tokens, "
                          f"got {tuple(x.shape)} and {tuple(q_resid.shape)}")
-    with torch.no_grad():
-        k, gate, w, q = _pipeline.indexer_project(x, q_resid, wq_b, wk, k_norm_weight, k_norm_bias, weights_proj,
-                                                  compress_gate, eps=eps, head_proj=head_proj,
-                                                  batch_invariant=batch_invariant)
-        k, gate = gather_indexer_keys(k, gate, cp)
-        pool_token, q_lo, q_n, tail_start, tail_len = local_query_layout(cp, P)
-        pool, pool_scale = _pipeline.indexer_pools(k, gate, compress_ape, pool_token, kpool=kpool,
-                                                   kpool_pooling=kpool_pooling, scale_fmt=scale_fmt)
-        q, w = _pipeline.indexer_scorer_query(q, w, kpool=kpool, scale_fmt=scale_fmt)
-        return _pipeline.indexer_score_select(q, w, pool, pool_scale, q_lo, q_n, tail_start, tail_len, kpool=kpool,
-                                              layout=layout, budget_mb=budget_mb, topk=topk, pool_size=P, tail=tail,
-                                              batch_invariant=batch_invariant)
+    _pipeline.check_indexer_inputs(x, q_resid, weights, opts)
+    return _pipeline.run_indexer(x, q_resid, weights, opts, GatheredKeys(cp))

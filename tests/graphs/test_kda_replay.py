@@ -17,10 +17,11 @@ import torch
 
 from graphs.config import GLM53Config
 from graphs.decode import ServingDecoder
-from graphs.kda_layer import LinearAttention, document_positions
+from graphs.kda_layer import LinearAttention
 from graphs.kda_replay import CHUNK, replay_prefill, replay_step
 from graphs.serving import ServingForward
 from inductor_ext import PrecisionConfig, ops
+from inductor_ext.ops.packing import document_positions
 from inductor_ext.report.mismatch import build_model
 from tests.support.batch_invariant import DEVICES
 
@@ -140,12 +141,11 @@ def test_replay_rows_bitwise_full_chunk_forward(attn, kda, case, device):
 
 @pytest.mark.parametrize("kda", KDA)
 def test_decoder_kda_replay_bitwise_training_layer(kda):
-    """ServingDecoder._kda under batch_invariant (its own conv window, prefill split at the chunk
-    boundary, replay steps) on the tiny model's KDA layer, 3 sequences: every row bitwise
+    """LinearAttention.prefill / step under batch_invariant (its own conv window, prefill split at
+    the chunk boundary, replay steps) on the tiny model's KDA layer, 3 sequences: every row bitwise
     LinearAttention.forward(serving=False) of the whole packed documents."""
     model = build_model(seed=0)
     prec = _prec(kda)
-    dec = ServingDecoder(ServingForward(model, prec))
     layer = next(lay for lay in model.layers if lay.kind == "linear_attention")
     attn, n, prompt = layer.self_attn, 3, 100
     x = _rand(n * T, model.config.hidden_size, seed=20)
@@ -153,26 +153,24 @@ def test_decoder_kda_replay_bitwise_training_layer(kda):
     with torch.no_grad():
         full = attn(x, cu, prec).view(n, T, -1)
         xs = x.view(n, T, -1)
-        out, cache = dec._kda(attn, xs[:, :prompt].reshape(n * prompt, -1), n, prompt,
-                              torch.arange(n + 1, dtype=torch.int64) * prompt, None)
+        out, _, cache = attn.prefill(xs[:, :prompt].reshape(n * prompt, -1), n, None, prec)
         rows = [out.view(n, prompt, -1)]
         for t in range(prompt + 1, T + 1):
-            o, cache = dec._kda(attn, xs[:, t - 1], n, t, None, cache)
-            rows.append(o[:, None])
-    assert set(cache) == {"window", "state", "open_qkv", "open_g", "open_beta"}
+            rows.append(attn.step(xs[:, t - 1], None, cache, prec)[0][:, None])
+    assert set(cache) == {"length", "window", "state", "open_qkv", "open_g", "open_beta"}
     assert _mismatched(torch.cat(rows, dim=1), full) == []
 
 
 def test_decoder_kda_recurrent_cache_without_batch_invariant():
     """batch_invariant=False keeps the recurrent decode: its cache is the state after the last token."""
     model = build_model(seed=0)
-    dec = ServingDecoder(ServingForward(model, PrecisionConfig.serving_aligned().replace(mla="absorbed")))
+    prec = PrecisionConfig.serving_aligned().replace(mla="absorbed")
     attn = next(lay for lay in model.layers if lay.kind == "linear_attention").self_attn
     x = _rand(2 * 5, model.config.hidden_size, seed=30)
     with torch.no_grad():
-        _, cache = dec._kda(attn, x, 2, 5, torch.tensor([0, 5, 10]), None)
-        _, cache = dec._kda(attn, x[:2], 2, 6, None, cache)
-    assert set(cache) == {"window", "state"}
+        _, _, cache = attn.prefill(x, 2, None, prec)
+        attn.step(x[:2], None, cache, prec)
+    assert set(cache) == {"length", "window", "state"} and cache["length"] == 6
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -167,8 +167,8 @@ def test_compiled_document_indexing_equals_eager():
     """Packed-document positions and the KPool layout compiled by Inductor (Triton searchsorted)
     equal eager: torch 2.11 mis-compiled searchsorted over a *sliced* boundary tensor
     (pytorch/pytorch#182343), which put the first document's tokens at wrong positions."""
-    from graphs.kda_layer import document_positions
     from inductor_ext.ops import kpool_layout
+    from inductor_ext.ops.packing import document_positions
 
     cu = torch.tensor([0, 640, 641, 1024], device="cuda")
     eager = (document_positions(cu, 1024, "cuda"), *kpool_layout(cu, 1024, 4))

@@ -36,7 +36,8 @@ def _expected(cu: list[int], world: int, rank: int, layout: str) -> dict:
 
 def context_worker(rank: int, world: int) -> dict:
     from graphs import GLM53Config
-    from graphs.kda_layer import LinearAttention, document_positions
+    from graphs.kda_layer import LinearAttention
+    from inductor_ext.ops.packing import document_positions
     from inductor_ext.parallel import cp_context, halo_exchange
 
     out = {}
