@@ -48,7 +48,7 @@ def _device(arg: str | None, hint: str) -> str:
 def _doctor() -> dict:
     info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    for name in backends.BACKENDS:
+    for name in backends.PACKAGES:
         info[name] = {"usable": backends.available(name), "version": backends.version(name)}
     cuda = torch.cuda.is_available()
     fla = cuda and backends.available("fla")

@@ -149,23 +149,21 @@ def _cuda_row_sum(x):
     return _kernels().bi_row_sum_rows(x, ref.ROW_BLOCK)
 
 
-def _register_cuda(op, name: str, reference, triton_kernel) -> None:
+def _register_cuda(name: str, reference, triton_kernel) -> None:
     def plain(*args):
         with torch.no_grad():
             return reference(*args)
 
-    backends.register_cuda_kernel(op, f"glm53::{name}", "triton", plain, lambda: triton_kernel,
-                                  fallback=_FALLBACK)
+    backends.register_triton(f"glm53::{name}", lambda: triton_kernel, plain, _FALLBACK)
 
 
-_register_cuda(_bi_linear_op, "bi_linear", ref.bi_linear_reference, _cuda_linear)
-_register_cuda(_bi_grouped_linear_op, "bi_grouped_linear", ref.bi_grouped_linear_reference, _cuda_grouped_linear)
-_register_cuda(_bi_grouped_linear_wgrad_op, "bi_grouped_linear_wgrad", ref.bi_grouped_linear_wgrad_reference,
-               _cuda_grouped_linear_wgrad)
-_register_cuda(_bi_rms_norm_op, "bi_rms_norm", ref.bi_rms_norm_reference, _cuda_rms_norm)
-_register_cuda(_bi_layer_norm_op, "bi_layer_norm", ref.bi_layer_norm_reference, _cuda_layer_norm)
-_register_cuda(_bi_log_softmax_op, "bi_log_softmax", ref.bi_log_softmax_reference, _cuda_log_softmax)
-_register_cuda(_bi_row_sum_op, "bi_row_sum", ref.bi_row_sum_reference, _cuda_row_sum)
+_register_cuda("bi_linear", ref.bi_linear_reference, _cuda_linear)
+_register_cuda("bi_grouped_linear", ref.bi_grouped_linear_reference, _cuda_grouped_linear)
+_register_cuda("bi_grouped_linear_wgrad", ref.bi_grouped_linear_wgrad_reference, _cuda_grouped_linear_wgrad)
+_register_cuda("bi_rms_norm", ref.bi_rms_norm_reference, _cuda_rms_norm)
+_register_cuda("bi_layer_norm", ref.bi_layer_norm_reference, _cuda_layer_norm)
+_register_cuda("bi_log_softmax", ref.bi_log_softmax_reference, _cuda_log_softmax)
+_register_cuda("bi_row_sum", ref.bi_row_sum_reference, _cuda_row_sum)
 
 
 # ---------------------------------------------------------------------------------------------

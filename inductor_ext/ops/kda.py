@@ -7,8 +7,6 @@ which holds the constants and reference kernels that the GPU kernels share.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from inductor_ext import backends
@@ -16,6 +14,8 @@ from inductor_ext.config import active_config
 from inductor_ext.ops._checks import check_cu_seqlens, eager
 from inductor_ext.ops.kda_reference import (
     FP32_KERNEL_MAX_DIM,
+    FP32_PRECISIONS,
+    OP_PRECISIONS,
     check_kda_values,
     fp32_kernels_apply,
     kda_chunk_bwd_reference_kernel,
@@ -68,19 +68,28 @@ def _kda_recurrent_op(
             q, k, v, g, beta, scale, initial_state, cu_seqlens))
 
 
+# CUDA kernels through the back-end registry (inductor_ext.backends), in preference order per precision:
+# "bf16" flash-linear-attention's kernels; "fp32" and "fp32_causal" the own FP32 kernels (head dims
+# <= 128), else flash-linear-attention's on FP32 inputs; the plain-torch reference last.
 _FALLBACK = "the plain-torch reference kernel (slow, synchronises with the host)"
 
 
-@functools.cache
-def _log_wide_fp32(op_name: str, K: int, V: int) -> None:
-    backends.log.warning("%s: precision fp32 with head dims K=%d, V=%d (> %d) runs flash-linear-attention's "
-                         "kernels on FP32 inputs (TF32 dots, ~1e-3 relative error)", op_name, K, V, FP32_KERNEL_MAX_DIM)
+def _fp32_why_not(q, v, precision, **_):
+    if fp32_kernels_apply(q, v, precision):
+        return None
+    return (f"head dims K={q.shape[-1]}, V={v.shape[-1]} exceed {FP32_KERNEL_MAX_DIM} (flash-linear-attention's "
+            "kernels run the FP32 inputs with TF32 dots, ~1e-3 relative error)")
 
 
-def _route(entry: str, op_name: str):
-    """Back-end of ``op_name``'s CUDA kernel: the own FP32 Triton kernels (``triton``) when
-    :func:`fp32_kernels_apply`, else flash-linear-attention's (``fla``); either missing → the
-    reference kernel, logged once."""
+def _fla_why_not(q, v, precision, **_):
+    if fp32_kernels_apply(q, v, precision):  # only when the own kernels are unavailable
+        return (f"precision {precision!r} with head dims <= {FP32_KERNEL_MAX_DIM} has the own FP32 kernels' "
+                "residual layout")
+    return None
+
+
+def _preference(entry: str, reference_kernel) -> dict:
+    """The back-ends of the op whose kernels are ``entry`` of the kernel packages, per precision."""
 
     def fp32_kernel():
         from inductor_ext.kernels import kda_fp32
@@ -92,22 +101,16 @@ def _route(entry: str, op_name: str):
 
         return getattr(kda_fla, entry)
 
-    def route(q, k, v, *rest):
-        precision = rest[5]
-        if fp32_kernels_apply(q, v, precision):
-            return "triton", fp32_kernel
-        if precision != "bf16":
-            _log_wide_fp32(op_name, q.shape[-1], v.shape[-1])
-        return "fla", fla_kernel
-
-    return route
+    own = backends.triton(fp32_kernel, "the own FP32 Triton kernels", why_not=_fp32_why_not)
+    fla = backends.Backend("fla", "flash-linear-attention's kernels", fla_kernel, packages=("fla",),
+                           why_not=_fla_why_not)
+    plain = backends.reference(reference_kernel, _FALLBACK)
+    return {p: (own, fla, plain) if p in FP32_PRECISIONS else (fla, plain) for p in OP_PRECISIONS}
 
 
-backends.register_cuda_router(_kda_chunk_op, "glm53::kda_chunk", _route("kda_chunk_fwd", "glm53::kda_chunk"),
-                              kda_chunk_reference_kernel, _FALLBACK)
-backends.register_cuda_router(_kda_chunk_bwd_op, "glm53::kda_chunk_bwd",
-                              _route("kda_chunk_bwd", "glm53::kda_chunk_bwd"), kda_chunk_bwd_reference_kernel,
-                              _FALLBACK)
+backends.register("glm53::kda_chunk", _preference("kda_chunk_fwd", kda_chunk_reference_kernel), by="precision")
+backends.register("glm53::kda_chunk_bwd", _preference("kda_chunk_bwd", kda_chunk_bwd_reference_kernel),
+                  by="precision")
 
 
 # autograd: residual outputs are non-differentiable, grads of unused outputs stay None

@@ -103,29 +103,33 @@ def _kpool_select_op(
         return ref.select_reference(logits, q_lo, q_n, tail_start, tail_len, topk, pool_size, tail)
 
 
-# CUDA kernels: Triton (inductor_ext/kernels/kpool/); without triton the plain-torch
-# reference runs on CUDA too, logged once per op.
-_FALLBACK = "the plain-torch reference kernel"
+# CUDA back-ends (inductor_ext.backends): Triton (inductor_ext/kernels/kpool/), else the plain-torch
+# reference, the fallback logged once.
 
 
-def _register_cuda(op, name: str, reference, triton_entry: str) -> None:
-    def plain(*args):
+def _plain(reference):
+    def kernel(*args):
         with torch.no_grad():
             out = reference(*args)
         return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out
 
-    def triton_kernel():
+    return kernel
+
+
+def _triton(entry: str):
+    def load():
         from inductor_ext.kernels import kpool
 
-        return getattr(kpool, triton_entry)
+        return getattr(kpool, entry)
 
-    backends.register_cuda_kernel(op, f"glm53::{name}", "triton", plain, triton_kernel, fallback=_FALLBACK)
+    return load
 
 
-_register_cuda(_kpool_compress_op, "kpool_compress", ref.compress_reference, "kpool_compress_fwd")
-_register_cuda(_kpool_quant_query_op, "kpool_quant_query", ref.quant_query_reference, "kpool_quant_query_fwd")
-_register_cuda(_kpool_logits_op, "kpool_logits", ref.logits_reference, "kpool_logits_fwd")
-_register_cuda(_kpool_select_op, "kpool_select", ref.select_reference, "kpool_select_fwd")
+backends.register_triton("glm53::kpool_compress", _triton("kpool_compress_fwd"), _plain(ref.compress_reference))
+backends.register_triton("glm53::kpool_quant_query", _triton("kpool_quant_query_fwd"),
+                         _plain(ref.quant_query_reference))
+backends.register_triton("glm53::kpool_logits", _triton("kpool_logits_fwd"), _plain(ref.logits_reference))
+backends.register_triton("glm53::kpool_select", _triton("kpool_select_fwd"), _plain(ref.select_reference))
 
 
 # ---------------------------------------------------------------------------------------------

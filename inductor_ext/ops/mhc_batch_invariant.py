@@ -63,8 +63,7 @@ def _triton_kernel():
     return kernel
 
 
-backends.register_cuda_kernel(_bi_mhc_coefficients_op, "glm53::bi_mhc_coefficients", "triton", _reference,
-                              _triton_kernel, fallback="the ordered-chain reference")
+backends.register_triton("glm53::bi_mhc_coefficients", _triton_kernel, _reference, "the ordered-chain reference")
 
 
 def _setup(ctx, inputs, output):

@@ -2,17 +2,16 @@
 
 Contract: ``docs/DESIGN.md`` §4 "sparse_mla"; numerics and input rules:
 :mod:`inductor_ext.ops.sparse_mla_reference` (the CPU kernels, plain torch). CUDA kernels
-(:mod:`inductor_ext.kernels.sparse_mla`): the forward is TileLang's warp-specialised kernel where it
-supports the geometry (sm_90, H a multiple of 64, D = d_v ∈ {256, 512}, BF16) and the ``tilelang`` extra
-imports, else Triton (a missing tilelang is logged once); the backward routes the same way. Without triton the
-plain-torch reference runs on CUDA too, logged once. Static output shapes and no host
+(:mod:`inductor_ext.kernels.sparse_mla`), chosen per call by the back-end registry
+(:mod:`inductor_ext.backends`) in the order ``tilelang`` (TileLang's warp-specialised kernels, where
+they support the geometry: sm_90, H a multiple of 64, D = d_v ∈ {256, 512}, BF16; the ``tilelang``
+extra), ``triton``, ``reference`` (plain torch), alike for forward and backward; a back-end passed
+over is logged once with its reason. Static output shapes and no host
 synchronisation in the ops, so a layer that calls them compiles into one graph and captures into a
 CUDA graph. ``token_ids`` get no gradient.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -23,10 +22,8 @@ from inductor_ext.ops._checks import eager
 __all__ = ["sparse_mla"]
 
 _T = torch.Tensor
-# CPU kernel here, CUDA kernel through backends.register_cuda_kernel below (one device type per
-# registration: torch 2.13's custom_op binds every device type of one call to the last one's kernel)
+# CPU kernel here, CUDA kernel through the back-end registry below
 _DEVICES = "cpu"
-_FALLBACK = "the plain-torch reference kernel"
 
 
 @torch.library.custom_op("glm53::sparse_mla", mutates_args=(), device_types=_DEVICES)
@@ -58,7 +55,6 @@ def _plain_bwd(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, deterministic
         return ref.sparse_mla_bwd_reference(q, kv, token_ids, out, lse, dout, dlse, scale, d_v)
 
 
-@functools.cache
 def _triton_fwd():
     from inductor_ext.kernels.sparse_mla import sparse_mla_fwd
 
@@ -68,7 +64,6 @@ def _triton_fwd():
     return kernel
 
 
-@functools.cache
 def _tilelang_fwd():
     from inductor_ext.kernels.sparse_mla.tilelang_forward import sparse_mla_fwd_tilelang
 
@@ -78,24 +73,6 @@ def _tilelang_fwd():
     return kernel
 
 
-def _route(op_name, tilelang_loader, triton_loader, q, kv, token_ids, d_v):
-    """``("tilelang", loader)`` where the TileLang kernels support the geometry and tilelang imports
-    (else logged once), otherwise ``("triton", loader)``."""
-    if not backends.available("triton"):  # the kernel package imports triton; the router logs the fallback
-        return "triton", triton_loader
-    from inductor_ext.kernels.sparse_mla.tilelang_common import supports
-
-    if (supports(q, kv, token_ids, d_v, torch.cuda.get_device_capability(q.device))
-            and backends.load("tilelang", op_name, fallback="the Triton kernel") is not None):
-        return "tilelang", tilelang_loader
-    return "triton", triton_loader
-
-
-def _fwd_route(q, kv, token_ids, scale, d_v, deterministic):
-    return _route("glm53::sparse_mla", _tilelang_fwd, _triton_fwd, q, kv, token_ids, d_v)
-
-
-@functools.cache
 def _triton_bwd():
     from inductor_ext.kernels.sparse_mla import sparse_mla_bwd
 
@@ -105,7 +82,6 @@ def _triton_bwd():
     return kernel
 
 
-@functools.cache
 def _tilelang_bwd():
     from inductor_ext.kernels.sparse_mla.tilelang_backward import sparse_mla_bwd_tilelang
 
@@ -115,13 +91,23 @@ def _tilelang_bwd():
     return kernel
 
 
-def _bwd_route(q, kv, token_ids, out, lse, dout, dlse, scale, d_v, deterministic):
-    return _route("glm53::sparse_mla_bwd", _tilelang_bwd, _triton_bwd, q, kv, token_ids, d_v)
+def _tilelang_why_not(q, kv, token_ids, d_v, **_):
+    """The geometries of the TileLang forward and backward (one rule for both)."""
+    from inductor_ext.kernels.sparse_mla.tilelang_common import unsupported
+
+    return unsupported(q, kv, token_ids, d_v, torch.cuda.get_device_capability(q.device))
 
 
-backends.register_cuda_router(_sparse_mla_op, "glm53::sparse_mla", _fwd_route, _plain_fwd, fallback=_FALLBACK)
-backends.register_cuda_router(_sparse_mla_bwd_op, "glm53::sparse_mla_bwd", _bwd_route, _plain_bwd,
-                              fallback=_FALLBACK)
+def _preference(tilelang_kernel, triton_kernel, plain_kernel):
+    """TileLang where it supports the geometry, else Triton, else the reference."""
+    # the kernel package imports triton, so the TileLang back-end needs it too
+    tilelang = backends.Backend("tilelang", "the TileLang kernels", tilelang_kernel, packages=("triton", "tilelang"),
+                                why_not=_tilelang_why_not)
+    return (tilelang, backends.triton(triton_kernel, "the Triton kernels"), backends.reference(plain_kernel))
+
+
+backends.register("glm53::sparse_mla", _preference(_tilelang_fwd, _triton_fwd, _plain_fwd))
+backends.register("glm53::sparse_mla_bwd", _preference(_tilelang_bwd, _triton_bwd, _plain_bwd))
 
 
 def _setup_context(ctx, inputs, output):

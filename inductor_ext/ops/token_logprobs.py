@@ -103,8 +103,7 @@ def _cuda_bwd(hidden, weight, targets, lse, entropy, grad_logprobs, grad_entropy
                                                 matmul=_cuda_matmul(batch_invariant))
 
 
-backends.register_cuda_kernel(_token_logprobs_op, "glm53::token_logprobs", "triton", _plain_fwd, _triton_fwd,
-                              fallback=_FALLBACK)
+backends.register_triton("glm53::token_logprobs", _triton_fwd, _plain_fwd, _FALLBACK)
 _token_logprobs_bwd_op.register_kernel("cuda")(_cuda_bwd)  # plain torch on every device: no back-end to miss
 
 

@@ -1,8 +1,8 @@
 """TileLang forward of ``glm53::sparse_mla`` (``inductor_ext.kernels.sparse_mla.tilelang_forward``).
 
-CPU: which geometries the TileLang kernels take (one ``supports`` for forward and backward), which
-inputs they read in place (``row_major_inputs``) and how the op routes both (TileLang where
-supported and installed, else Triton, the missing extra logged once). ``cuda``: the kernel against
+CPU: which geometries the TileLang kernels take (one ``supports`` for forward and backward, and the
+reason when not), which inputs they read in place (``row_major_inputs``) and which back-end the
+registry selects for both (TileLang where supported and installed, else Triton, the reason logged once). ``cuda``: the kernel against
 the independent FP64 reference (out within 2x the BF16 floor, lse within 1e-5) at awkward cases, a
 head-major q read in place (bitwise the contiguous q's result), the op routed to it (bitwise the
 direct call), the Triton forward beside it, and CUDA-graph capture; these skip unless an sm_90 GPU
@@ -18,6 +18,7 @@ import torch
 from inductor_ext import backends
 from inductor_ext.kernels.sparse_mla import tilelang_backward as tlb
 from inductor_ext.kernels.sparse_mla import tilelang_forward as tlf
+from inductor_ext.kernels.sparse_mla.tilelang_common import unsupported
 from tests.support.fp64 import assert_rel_l2, rel_l2
 from tests.support.sparse_mla import (
     H200,
@@ -62,31 +63,52 @@ def test_row_major_inputs_passes_readable_strides_in_place():
     assert not strided and fixed.is_contiguous() and other.is_contiguous() and torch.equal(other, q)
 
 
-ROUTES = [  # (router, op name, the router's arguments after q, kv, ids for a given d_v)
-    ("_fwd_route", "glm53::sparse_mla", lambda d_v: (0.1, d_v, True)),
-    ("_bwd_route", "glm53::sparse_mla_bwd", lambda d_v: (None, None, None, None, 0.1, d_v, True)),
+OPS = [  # (op name, its arguments after q, kv, token_ids by name for a given d_v)
+    ("glm53::sparse_mla", lambda d_v: dict(scale=0.1, d_v=d_v, deterministic=True)),
+    ("glm53::sparse_mla_bwd", lambda d_v: dict(out=None, lse=None, dout=None, dlse=None, scale=0.1, d_v=d_v,
+                                               deterministic=True)),
 ]
 
 
-@pytest.mark.parametrize("route,op_name,rest", ROUTES, ids=[r[0] for r in ROUTES])
-def test_route_prefers_tilelang_and_logs_a_missing_extra(monkeypatch, caplog, route, op_name, rest):
-    """The forward and the backward route alike: TileLang where supported, one log line without it."""
-    op = importlib.import_module("inductor_ext.ops.sparse_mla")  # the package exports the wrapper by that name
-
-    router = getattr(op, route)
+@pytest.mark.parametrize("op_name,rest", OPS, ids=[o[0] for o in OPS])
+def test_registry_prefers_tilelang_and_logs_a_missing_extra(monkeypatch, caplog, op_name, rest):
+    """The forward and the backward select alike: TileLang where supported, else Triton with one log line
+    saying why."""
+    importlib.import_module("inductor_ext.ops.sparse_mla")  # the package exports the wrapper by that name
     q, kv, ids = meta_inputs()
+
+    def select(d_v):
+        return backends.select(op_name, q=q, kv=kv, token_ids=ids, **rest(d_v)).name
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: H200)
     monkeypatch.setattr(backends, "_import", lambda name: (object(), None))
-    assert router(q, kv, ids, *rest(512))[0] == "tilelang"
-    assert router(q, kv, ids, *rest(448))[0] == "triton"
+    monkeypatch.setattr(backends, "_LOGGED", set())
+    assert [b.name for b in backends.REGISTRY[op_name].order()] == ["tilelang", "triton", "reference"]
+    assert select(512) == "tilelang"
+    with caplog.at_level(logging.WARNING, logger="inductor_ext"):
+        assert select(448) == "triton"
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"{op_name}: back-end 'tilelang' (the TileLang kernels) skipped: needs D = d_v of 256 or 512, "
+                    "got D=512, d_v=448; using 'triton' (the Triton kernels)"], said
+    caplog.clear()
     monkeypatch.setattr(backends, "_import", lambda name: (None, "ImportError: no tilelang") if name == "tilelang"
                         else (object(), None))
-    backends._log_fallback.cache_clear()
     with caplog.at_level(logging.WARNING, logger="inductor_ext"):
-        assert router(q, kv, ids, *rest(512))[0] == "triton"
-        assert router(q, kv, ids, *rest(512))[0] == "triton"
-    said = [r.getMessage() for r in caplog.records if "tilelang" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith(f"{op_name}: ") and "the Triton kernel" in said[0], said
+        assert select(512) == "triton"
+        assert select(512) == "triton"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(f"{op_name}: back-end 'tilelang'"), said
+    assert "tilelang does not import (ImportError: no tilelang); install it: pip install tilelang" in said[0]
+
+
+def test_unsupported_says_why():
+    q, kv, ids = meta_inputs()
+    assert unsupported(q, kv, ids, 512, H200) is None
+    assert unsupported(q, kv, ids, 512, (10, 0)) == "needs an sm_90 device, got compute capability (10, 0)"
+    assert unsupported(*meta_inputs(H=32), 512, H200) == "needs the head count to be a multiple of 64, got H=32"
+    assert unsupported(*meta_inputs(dtype=torch.float16), 512, H200) == (
+        "needs bfloat16 q and kv, got torch.float16 and torch.float16")
+    assert unsupported(*meta_inputs(D=128), 128, H200) == "needs D = d_v of 256 or 512, got D=128, d_v=128"
 
 
 def test_backward_takes_the_forward_geometries():

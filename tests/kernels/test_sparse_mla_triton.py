@@ -7,7 +7,7 @@ those tests skip and say so). With CUDA the ``cuda``-marked tests run the compil
 the ops, at the production geometry too, and inside a CUDA graph.
 
 Contracts checked: out within 2x the BF16 rounding floor of the FP64 result (the CUDA forward
-rounds p to BF16 for the value MMA: ~1.1x measured; ``precise_p`` ~1.0x); lse within 1e-5; dq, dkv
+rounds p to BF16 for the value MMA: ~1.1x measured); lse within 1e-5; dq, dkv
 within 1e-2 of the FP64 VJP; dkv bitwise equal run to run and across block sizes (int32 fixed-point
 atomics with a scale per latent row), also for gradients scaled by 1e30 and 1e-30 (the scales follow
 them) and for a row picked once among rows picked by every query (its own scale keeps it precise).
@@ -77,9 +77,7 @@ def test_forward_variants(kt):
     out64, lse64, _, _ = fp64_vjp(inp["q"], inp["kv"], inp["token_ids"], inp["scale"], inp["d_v"],
                                   inp["dout"], inp["dlse"])
     args = (inp["q"], inp["kv"], inp["token_ids"], inp["scale"], inp["d_v"])
-    ratio = _forward_checks("precise_p", *kt.sparse_mla_fwd(*args, block_n=16, precise_p=True), out64, lse64)
-    assert ratio <= 1.05, f"precise_p: {ratio:.2f} x the BF16 floor"
-    _forward_checks("vsplit2", *kt.sparse_mla_fwd(*args, block_n=32, vsplit=2, chunk=32), out64, lse64)
+    _forward_checks("chunk32", *kt.sparse_mla_fwd(*args, block_n=32, chunk=32), out64, lse64)
     _forward_checks("no-prefetch-int64", *kt.sparse_mla_fwd(*args, block_n=16, prefetch=False, idx32=False),
                     out64, lse64)
 

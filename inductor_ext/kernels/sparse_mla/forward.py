@@ -2,22 +2,20 @@
 
 Imports only torch and triton, so it can be loaded by path on a GPU machine without the package.
 
-One program per (query row ``t``, group of up to 64 heads[, half of the value columns]). The heads of
-a query share every gathered latent row, so each block of ``BLOCK_N`` listed ids is one gather of
-``[BLOCK_N, D]`` rows and MMAs with M = heads (padded to >= 16):
+One program per (query row ``t``, group of up to 64 heads). The heads of a query share every
+gathered latent row, so each block of ``BLOCK_N`` listed ids is one gather of ``[BLOCK_N, D]`` rows
+and MMAs with M = heads (padded to >= 16):
 
     s   = q[t, heads] · kv[ids]ᵀ                  [BLOCK_H, BLOCK_N] FP32 (D summed as NC column chunks)
     online softmax in FP32 (base 2, ``scale · log2 e`` folded into the scores)
     acc = acc · α + p · kv[ids, :d_v]             FP32 accumulators, one [BLOCK_H, DC] tile per value chunk
 
-``p`` enters the value MMA rounded to the input dtype (the usual flash-attention trade); with
-``precise_p=True`` it enters as two terms, ``bf16(p) + bf16(p − bf16(p))`` (one more MMA per value
-chunk, ~16 more bits of p). ``out = acc / l`` is rounded once; ``lse = (m + log2 l) · ln 2``.
+``p`` enters the value MMA rounded to the input dtype (the usual flash-attention trade).
+``out = acc / l`` is rounded once; ``lse = (m + log2 l) · ln 2``.
 
 D is held as ``NC <= 4`` column chunks of ``DC`` (a power of two, 16..256; D <= 1024), so a chunk
 can be a value tile and a key tile at once and nothing is sliced in registers. ``d_v`` may end
-inside a chunk (the store is masked). With ``vsplit=2`` two programs share a query, each owning half
-of the value chunks (its chunks come first in a rotated order); both compute the full scores.
+inside a chunk (the store is masked).
 
 Padding: before the loop the program finds the first and last valid position of its id row (one
 pass over ``W`` ids), so leading and trailing ``-1`` blocks cost nothing; ``-1`` inside that span
@@ -29,9 +27,10 @@ No host synchronisation: CUDA-graph safe.
 H200 (T = 8192, H = 64, D = d_v = 512, 2051 causal random ids, 1.93 TFLOP visible): 7.9 ms p50,
 ~244 TFLOP/s, with the defaults (BLOCK_N 64, 8 warps, 2 stages, ids prefetched one block ahead:
 8.4 ms without; 255 registers, ~50 spilled). Tried and slower: BLOCK_N 32 with 3-4 stages (9.1 ms,
-no spills), column chunks of 256 (8.2-8.4), vsplit=2 (11.7-13.6), 16 warps (18.9), BLOCK_N 128
-(10.9); ``precise_p`` doubles the value MMAs (20.0 ms). The program is one 8-warp CTA per SM (196 KB
-shared memory), so gathers, the score MMA, the softmax and the value MMA mostly serialise.
+no spills), column chunks of 256 (8.2-8.4), two programs per query each owning half of the value
+columns (11.7-13.6), 16 warps (18.9), BLOCK_N 128 (10.9); p entering the value MMA as two BF16 terms
+doubles the value MMAs (20.0 ms). The program is one 8-warp CTA per SM (196 KB shared memory), so
+gathers, the score MMA, the softmax and the value MMA mostly serialise.
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ def chunking(D: int, chunk: int | None = None) -> tuple[int, int]:
 def fwd_config(H: int, D: int, d_v: int) -> dict:
     """Default launch parameters of the forward for a geometry."""
     big = min(64, H) * D >= 64 * 256
-    return {"block_n": 64, "num_warps": 8 if big else 4, "num_stages": 2, "vsplit": 1, "chunk": None,
-            "prefetch": True}
+    return {"block_n": 64, "num_warps": 8 if big else 4, "num_stages": 2, "chunk": None, "prefetch": True}
 
 
 @triton.jit
@@ -99,40 +97,36 @@ def _sparse_mla_fwd_kernel(
     T, H, W, S, qk_scale,
     s_qt, s_qh, s_kv, s_it, s_ot, s_oh, s_lt,
     D: tl.constexpr, DV: tl.constexpr, DC: tl.constexpr, NC: tl.constexpr, NV: tl.constexpr,
-    VSPLIT: tl.constexpr, NUM_HG: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    SCAN: tl.constexpr, MASK_COLS: tl.constexpr, PRECISE_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    PREFETCH: tl.constexpr, IDX32: tl.constexpr,
+    NUM_HG: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
+    MASK_COLS: tl.constexpr, DOT_PREC: tl.constexpr, PREFETCH: tl.constexpr, IDX32: tl.constexpr,
 ):
-    NCV: tl.constexpr = NV // VSPLIT  # value chunks of this program
     pid = tl.program_id(0)
-    t = T - 1 - pid // (NUM_HG * VSPLIT)
-    r = pid % (NUM_HG * VSPLIT)
-    hg = r // VSPLIT
-    rot = (r % VSPLIT) * NCV
+    t = T - 1 - pid // NUM_HG
+    hg = pid % NUM_HG
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     q_row = q_ptr + t.to(tl.int64) * s_qt
     ids_row = ids_ptr + t.to(tl.int64) * s_it
     n_lo, n_hi = _valid_span(ids_row, W, S, SCAN, BLOCK_N)
 
-    # column chunks in this program's order: its value chunks first
-    cb0 = (rot % NC) * DC
+    # column chunks: the first NV hold the value columns too
+    cb0 = 0
     q0 = _load_tile(q_row, heads, hmask, s_qh, cb0, D, DC, MASK_COLS)
     acc0 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     if NC > 1:
-        cb1 = ((rot + 1) % NC) * DC
+        cb1 = DC
         q1 = _load_tile(q_row, heads, hmask, s_qh, cb1, D, DC, MASK_COLS)
-        if NCV > 1:
+        if NV > 1:
             acc1 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     if NC > 2:
-        cb2 = ((rot + 2) % NC) * DC
+        cb2 = 2 * DC
         q2 = _load_tile(q_row, heads, hmask, s_qh, cb2, D, DC, MASK_COLS)
-        if NCV > 2:
+        if NV > 2:
             acc2 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
     if NC > 3:
-        cb3 = ((rot + 3) % NC) * DC
+        cb3 = 3 * DC
         q3 = _load_tile(q_row, heads, hmask, s_qh, cb3, D, DC, MASK_COLS)
-        if NCV > 3:
+        if NV > 3:
             acc3 = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -172,27 +166,17 @@ def _sparse_mla_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         pb = p.to(k0.dtype)
-        if PRECISE_P:
-            plo = (p - pb.to(tl.float32)).to(k0.dtype)
         acc0 = acc0 * alpha[:, None]
         acc0 = tl.dot(pb, k0, acc0, input_precision=DOT_PREC)
-        if PRECISE_P:
-            acc0 = tl.dot(plo, k0, acc0, input_precision=DOT_PREC)
-        if NCV > 1:
+        if NV > 1:
             acc1 = acc1 * alpha[:, None]
             acc1 = tl.dot(pb, k1, acc1, input_precision=DOT_PREC)
-            if PRECISE_P:
-                acc1 = tl.dot(plo, k1, acc1, input_precision=DOT_PREC)
-        if NCV > 2:
+        if NV > 2:
             acc2 = acc2 * alpha[:, None]
             acc2 = tl.dot(pb, k2, acc2, input_precision=DOT_PREC)
-            if PRECISE_P:
-                acc2 = tl.dot(plo, k2, acc2, input_precision=DOT_PREC)
-        if NCV > 3:
+        if NV > 3:
             acc3 = acc3 * alpha[:, None]
             acc3 = tl.dot(pb, k3, acc3, input_precision=DOT_PREC)
-            if PRECISE_P:
-                acc3 = tl.dot(plo, k3, acc3, input_precision=DOT_PREC)
 
     # no valid id: l = 0 → out 0, lse -inf; NaN (from q or kv) stays NaN: never `l_i > 0` (the reference's rule)
     l_safe = tl.where(l_i == 0, 1.0, l_i)
@@ -200,17 +184,17 @@ def _sparse_mla_fwd_kernel(
     cols = tl.arange(0, DC)
     omask = hmask[:, None] & (cb0 + cols < DV)[None, :]
     tl.store(o_row + (cb0 + cols)[None, :], (acc0 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-    if NCV > 1:
+    if NV > 1:
         omask = hmask[:, None] & (cb1 + cols < DV)[None, :]
         tl.store(o_row + (cb1 + cols)[None, :], (acc1 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-    if NCV > 2:
+    if NV > 2:
         omask = hmask[:, None] & (cb2 + cols < DV)[None, :]
         tl.store(o_row + (cb2 + cols)[None, :], (acc2 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
-    if NCV > 3:
+    if NV > 3:
         omask = hmask[:, None] & (cb3 + cols < DV)[None, :]
         tl.store(o_row + (cb3 + cols)[None, :], (acc3 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=omask)
     lse = tl.where(l_i == 0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(lse_ptr + t.to(tl.int64) * s_lt + heads, lse, mask=hmask & (rot == 0))
+    tl.store(lse_ptr + t.to(tl.int64) * s_lt + heads, lse, mask=hmask)
 
 
 def _idx32(kv: torch.Tensor) -> bool:
@@ -223,7 +207,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def sparse_mla_fwd(q, kv, token_ids, scale, d_v, *, block_n=None, num_warps=None, num_stages=None,
-                   vsplit=None, chunk=None, precise_p=False, prefetch=None, idx32=None):
+                   chunk=None, prefetch=None, idx32=None):
     """``(out [T, H, d_v] q.dtype, lse [T, H] fp32)`` of ``glm53::sparse_mla`` (see the module doc).
 
     q ``[T, H, D]``, kv ``[S, D]`` (one float dtype), token_ids ``[T, W]`` int32/int64 with -1
@@ -238,27 +222,21 @@ def sparse_mla_fwd(q, kv, token_ids, scale, d_v, *, block_n=None, num_warps=None
         return out, lse
     cfg = fwd_config(H, D, d_v)
     for key, val in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
-                     ("vsplit", vsplit), ("chunk", chunk), ("prefetch", prefetch),
-                     ("idx32", idx32)):
+                     ("chunk", chunk), ("prefetch", prefetch), ("idx32", idx32)):
         if val is not None:
             cfg[key] = val
     dc, nc = chunking(D, cfg["chunk"])
     nv = triton.cdiv(d_v, dc)
-    vs = int(cfg["vsplit"])
-    if vs not in (1, 2) or nv % vs:
-        raise ValueError(f"sparse_mla forward: vsplit={vs} needs the {nv} value chunks to split evenly (1 or 2)")
-    if vs > 1 and D % dc:
-        raise ValueError(f"sparse_mla forward: vsplit={vs} needs D={D} to be a multiple of the chunk {dc}")
     block_h = min(64, max(16, triton.next_power_of_2(H)))
     num_hg = triton.cdiv(H, block_h)
-    grid = (T * num_hg * vs,)
+    grid = (T * num_hg,)
     _sparse_mla_fwd_kernel[grid](
         q, kv, token_ids, out, lse,
         T, H, W, S, float(scale) * LOG2E,
         q.stride(0), q.stride(1), kv.stride(0), token_ids.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        D=D, DV=d_v, DC=dc, NC=nc, NV=nv, VSPLIT=vs, NUM_HG=num_hg, BLOCK_H=block_h,
+        D=D, DV=d_v, DC=dc, NC=nc, NV=nv, NUM_HG=num_hg, BLOCK_H=block_h,
         BLOCK_N=int(cfg["block_n"]), SCAN=min(1024, max(16, triton.next_power_of_2(W))),
-        MASK_COLS=D % dc != 0, PRECISE_P=bool(precise_p), DOT_PREC=_dot_precision(q.dtype),
+        MASK_COLS=D % dc != 0, DOT_PREC=_dot_precision(q.dtype),
         PREFETCH=bool(cfg["prefetch"]), IDX32=_idx32(kv) if cfg.get("idx32") is None else bool(cfg["idx32"]),
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )

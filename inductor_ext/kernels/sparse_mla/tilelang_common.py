@@ -10,8 +10,8 @@ import types
 
 import torch
 
-__all__ = ["supports", "compile_kernel", "macros", "row_major_inputs", "rows_tensor", "HEADS_PER_CTA", "BLOCK",
-           "THREADS"]
+__all__ = ["supports", "unsupported", "compile_kernel", "macros", "row_major_inputs", "rows_tensor", "HEADS_PER_CTA",
+           "BLOCK", "THREADS"]
 
 HEADS_PER_CTA = 64
 BLOCK = 64  # listed ids per gathered block
@@ -19,13 +19,30 @@ THREADS = 384  # three warpgroups: two consumers, one producer
 _TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
+def unsupported(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: int,
+                capability: tuple[int, int]) -> str | None:
+    """Why the TileLang kernels do not run the geometry on a device of compute ``capability``, or
+    ``None`` when they do: sm_90, BF16 q and kv, ``H`` a multiple of 64, ``D = d_v`` of 256 or 512,
+    int32 or int64 ids."""
+    H, D = q.shape[1], q.shape[2]
+    if tuple(capability) != (9, 0):
+        return f"needs an sm_90 device, got compute capability {tuple(capability)}"
+    if not q.dtype == kv.dtype == torch.bfloat16:
+        return f"needs bfloat16 q and kv, got {q.dtype} and {kv.dtype}"
+    if H % HEADS_PER_CTA:
+        return f"needs the head count to be a multiple of {HEADS_PER_CTA}, got H={H}"
+    if d_v != D or D not in (256, 512):
+        return f"needs D = d_v of 256 or 512, got D={D}, d_v={d_v}"
+    if token_ids.dtype not in (torch.int32, torch.int64):
+        return f"needs int32 or int64 token ids, got {token_ids.dtype}"
+    return None
+
+
 def supports(q: torch.Tensor, kv: torch.Tensor, token_ids: torch.Tensor, d_v: int,
              capability: tuple[int, int]) -> bool:
-    """Whether the TileLang kernels run the geometry on a device of compute ``capability``: sm_90,
-    BF16 q and kv, ``H`` a multiple of 64, ``D = d_v`` of 256 or 512, int32 or int64 ids."""
-    H, D = q.shape[1], q.shape[2]
-    return (tuple(capability) == (9, 0) and q.dtype == kv.dtype == torch.bfloat16 and H % HEADS_PER_CTA == 0
-            and d_v == D and D in (256, 512) and token_ids.dtype in (torch.int32, torch.int64))
+    """Whether the TileLang kernels run the geometry on a device of compute ``capability``
+    (:func:`unsupported` gives the reason when not)."""
+    return unsupported(q, kv, token_ids, d_v, capability) is None
 
 
 def row_major_inputs(*xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], bool]:
