@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.fp8_qdq import GROUP
+from inductor_ext.ops.fp8_qdq_reference import GROUP
 
 __all__ = ["FAKES", "fp8_qdq_fake"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.mhc import streams_from_width
+from inductor_ext.ops.mhc_reference import streams_from_width
 
 __all__ = ["FAKES", "bi_mhc_coefficients_fake"]
 

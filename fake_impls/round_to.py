@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.round_to import validate_round_to_inputs
+from inductor_ext.ops.round_to_reference import validate_round_to_inputs
 
 __all__ = ["FAKES", "round_to_fake"]
 

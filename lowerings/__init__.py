@@ -39,7 +39,7 @@ def register_all() -> None:
     idempotent."""
     import torch
 
-    from inductor_ext.ops.fp8_qdq import GROUP
+    from inductor_ext.ops.fp8_qdq_reference import GROUP
     from lowerings._compat import (
         install_eager_numerics,
         install_persistent_reductions,

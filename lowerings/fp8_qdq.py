@@ -3,8 +3,8 @@
 The op is one amax reduction per group plus pointwise work, so as ATen ops it fuses with the
 producer of x (a SwiGLU, a norm) and with the consumer of â (the cast into a GEMM input) instead
 of costing a full read and write of the activation. The decomposition computes the reference
-kernel's values (:func:`~inductor_ext.ops.fp8_qdq.fp8_qdq_reference`) on the exact FP32 value of
-x, sharing its scale and quotient (:func:`~inductor_ext.ops.fp8_qdq.scaled_quotient`), with three
+kernel's values (:func:`~inductor_ext.ops.fp8_qdq_reference.fp8_qdq_reference`) on the exact FP32 value of
+x, sharing its scale and quotient (:func:`~inductor_ext.ops.fp8_qdq_reference.scaled_quotient`), with three
 cheaper steps that give the same bits:
 
 - amax as an integer max over the bits of ``|a|``: non-negative floats order as their bit
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.fp8_qdq import AMAX_FLOOR, GROUP, scaled_quotient
+from inductor_ext.ops.fp8_qdq_reference import AMAX_FLOOR, GROUP, scaled_quotient
 from lowerings._rounding import exact, round_to, store
 
 __all__ = ["fp8_qdq_decomposition", "DECOMPOSITIONS"]

@@ -6,10 +6,10 @@ sigmoid/softmax/Sinkhorn and the weighted stream collapse; mhc_post becomes a si
 kernel ``post[o]·f + Σ_s comb[s,o]·res[s]`` fused with the sublayer's output and whatever reads
 the new streams. Rounding points (:mod:`lowerings._rounding`):
 
-- ``mhc_pre``: the reference (:func:`~inductor_ext.ops.mhc.mhc_pre_reference`) on exact FP32
+- ``mhc_pre``: the reference (:func:`~inductor_ext.ops.mhc_reference.mhc_pre_reference`) on exact FP32
   inputs; ``mixed`` rounded once to x's dtype, post and comb stay FP32.
 - ``mhc_post`` ``"fp32"``: the reference's own elementwise chain
-  (:func:`~inductor_ext.ops.mhc.mhc_post_fp32`) on the exact inputs, one rounding: bitwise eager.
+  (:func:`~inductor_ext.ops.mhc_reference.mhc_post_fp32`) on the exact inputs, one rounding: bitwise eager.
 - ``mhc_post`` ``"bf16"``: transformers' roundings — post and comb to the residual's dtype, the
   product ``post·f``, the stream matmul (FP32 accumulation, one rounding) and the sum.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.mhc import mhc_post_fp32, mhc_pre_reference
+from inductor_ext.ops.mhc_reference import mhc_post_fp32, mhc_pre_reference
 from lowerings._rounding import exact, round_to, store
 
 __all__ = ["mhc_pre_decomposition", "mhc_post_decomposition", "DECOMPOSITIONS"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inductor_ext.ops.fp8_qdq import FP8_MAX, pow2_ceil
+from inductor_ext.ops.fp8_qdq_reference import FP8_MAX, pow2_ceil
 from inductor_ext.ops.packing import segment_of
 from inductor_ext.workspace import logits_view
 
@@ -76,7 +76,8 @@ def quantize_e4m3(x: torch.Tensor, scale_fmt: str, reciprocal: bool) -> tuple[to
 
     amax floored at 1e-4; scale ``amax·fp32(1/448)`` when ``reciprocal`` (pool path) else
     ``amax/448`` (query path); ``"ue8m0"`` rounds it up to a power of two, exactly, from the FP32
-    bits (:func:`~inductor_ext.ops.fp8_qdq.pow2_ceil`). Returns ``(q float8_e4m3fn [..., 128], scale fp32 [...])``.
+    bits (:func:`~inductor_ext.ops.fp8_qdq_reference.pow2_ceil`). Returns
+    ``(q float8_e4m3fn [..., 128], scale fp32 [...])``.
     """
     amax = x.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     scale = amax * _INV_FP8_MAX if reciprocal else amax / FP8_MAX

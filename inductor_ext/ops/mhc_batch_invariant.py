@@ -9,10 +9,10 @@ coefficients (sigmoids, the softmax over ``o``, the Sinkhorn normalisations) thr
 ``glm53::bi_mhc_coefficients``: one op, so the eager decode launches one kernel instead of ~340 small
 ones per call, and a compiled training forward calls the very kernel the decode calls (Inductor does
 not re-derive its arithmetic). Its CPU kernel is the ordered-chain reference
-(:func:`~inductor_ext.ops.mhc.coefficients_from_projection`, ``invariant=True``); its CUDA kernel is
+(:func:`~inductor_ext.ops.mhc_reference.coefficients_from_projection`, ``invariant=True``); its CUDA kernel is
 Triton (:mod:`inductor_ext.kernels.batch_invariant.mhc`; the reference on CUDA when triton is
 missing, logged once). Its backward is the FP32 VJP of the reference
-(:func:`~inductor_ext.ops.mhc.coefficient_vjp`): gradients are not part of the invariance contract.
+(:func:`~inductor_ext.ops.mhc_reference.coefficient_vjp`): gradients are not part of the invariance contract.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from inductor_ext import backends
 from inductor_ext.config import active_config
 from inductor_ext.ops._checks import input_error, integer, real, tensors
 from inductor_ext.ops.batch_invariant import bi_linear, bi_row_sum
-from inductor_ext.ops.mhc import (
+from inductor_ext.ops.mhc_reference import (
     coefficient_vjp,
     coefficients_from_projection,
     streams_from_width,

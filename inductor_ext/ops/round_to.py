@@ -13,23 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops._checks import input_error
+from inductor_ext.ops.round_to_reference import round_to_reference
 
-__all__ = ["ROUNDING_DTYPES", "round_to_reference", "validate_round_to_inputs"]
-
-ROUNDING_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-
-
-def validate_round_to_inputs(x: torch.Tensor, dtype: torch.dtype) -> None:
-    """x FP32 and dtype one of :data:`ROUNDING_DTYPES`; raise ``ValueError``."""
-    if x.dtype != torch.float32 or dtype not in ROUNDING_DTYPES:
-        raise input_error(f"round_to: x must be float32 and dtype one of {ROUNDING_DTYPES}, got {x.dtype}, {dtype}")
-
-
-def round_to_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Plain-torch kernel (every device): FP32 ``x`` → ``x.to(dtype).float()``."""
-    validate_round_to_inputs(x, dtype)
-    return x.to(dtype).float()
+__all__ = ["round_to"]
 
 
 @torch.library.custom_op("glm53::round_to", mutates_args=(), device_types=("cpu", "cuda"))

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from inductor_ext.ops.mhc import coefficients_from_projection
+from inductor_ext.ops.mhc_reference import coefficients_from_projection
 from tests.support.batch_invariant import check_batch_invariance, rel_l2
 from tests.support.triton_interpreter import apply_interpreter_shims
 

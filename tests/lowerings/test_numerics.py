@@ -9,7 +9,7 @@ import torch
 
 import inductor_ext
 from inductor_ext import ops
-from inductor_ext.ops.fp8_qdq import e4m3_cast
+from inductor_ext.ops.fp8_qdq_reference import e4m3_cast
 from lowerings._compat import inductor_config
 from lowerings._rounding import clamp_select, round_to, ulp_distance
 

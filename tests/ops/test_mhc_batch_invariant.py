@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import inductor_ext.ops as ops
-from inductor_ext.ops.mhc import coefficients_from_projection
+from inductor_ext.ops.mhc_reference import coefficients_from_projection
 from tests.support.batch_invariant import check_batch_invariance, rel_l2
 
 N = 4

@@ -75,10 +75,10 @@ class TestMessagesAndVocabulary(expecttest.TestCase):
 
     def test_vocabulary_is_defined_once(self):
         from inductor_ext import config
-        from inductor_ext.ops import kda_reference, kpool, mhc
+        from inductor_ext.ops import kda_reference, kpool, mhc_reference
         from inductor_ext.ops.swiglu import MODES
 
-        assert kda_reference.PRECISIONS is config.KDA_PRECISIONS and mhc.PRECISIONS is config.MHC_POST_PRECISIONS
+        assert kda_reference.PRECISIONS is config.KDA_PRECISIONS and mhc_reference.PRECISIONS is config.MHC_POST_PRECISIONS
         assert kpool.PRECISIONS is config.KPOOL_PRECISIONS and MODES is config.SWIGLU_MODES
         self.assertExpectedInline(repr(config.CHOICES), """{'kda': ('bf16', 'fp32'), 'kpool': ('bf16', 'fp8'), 'kpool_pooling': ('reference', 'fp32'), 'head_proj': ('model', 'fp32'), 'mhc_post': ('bf16', 'fp32'), 'swiglu': ('native', 'serving'), 'moe_act': ('none', 'fp8_ue8m0', 'fp8_fp32scale'), 'mqa_layout': ('compact', 'legacy'), 'mla': ('decompressed', 'absorbed')}""")
 

@@ -4,7 +4,7 @@ One program per ``BLOCK_R`` rows; a row's ``(2+N)·N`` projection values stay in
 ``[N, N]`` tile (comb) and two ``[N]`` vectors (pre, post), and every step is elementwise or a sum
 over N written as a chain in index order, so a row's result never depends on the other rows of
 the call. The order of operations is the ordered-chain reference's
-(:func:`inductor_ext.ops.mhc.coefficients_from_projection` with ``invariant=True``): sigmoids, the
+(:func:`inductor_ext.ops.mhc_reference.coefficients_from_projection` with ``invariant=True``): sigmoids, the
 softmax over ``o`` (max chain, exp, sum chain, divide), ``+ hc_eps``, then the Sinkhorn
 normalisations (a column sum, then ``iters − 1`` row and column sums, each ``+ hc_eps`` and a
 divide). Elements of a chain are taken out of the tile by a masked sum over N, exact (one value
