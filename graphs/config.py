@@ -130,6 +130,17 @@ class GLM53Config:
         return cls(**base)
 
     @classmethod
+    def h200_stack(cls, **changes) -> GLM53Config:
+        """:meth:`h200` widths, 3 KDA layers + 1 DSA layer (the first MLP dense, the others MoE with 32
+        routed experts, top-8), FlexAttention for the sparse attention: the CUDA model of the mismatch
+        ablation and of ``bench invariance``'s decode step."""
+        base = dict(num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("indexed_attention",),
+                    mlp_layer_types=("dense", "sparse", "sparse", "sparse"), indexer_types=("full",) * 4,
+                    n_routed_experts=32, attn_impl="flex")
+        base.update(changes)
+        return cls.h200(**base)
+
+    @classmethod
     def from_hf(cls, hf_config, **changes) -> GLM53Config:
         """Build from a transformers ``Glm5NextTextConfig`` (or ``Glm5NextConfig``: its
         ``text_config``) or a dict of its fields; ``changes`` override (e.g. ``attn_impl``)."""

@@ -11,6 +11,7 @@ import torch
 
 from inductor_ext import backends
 from inductor_ext.bench import BENCHES, format_benches, run_benches
+from inductor_ext.bench.inputs import MODEL_PRESETS
 from inductor_ext.bench.invariance import PARTS as INVARIANCE_PARTS
 from inductor_ext.bench.layer import KINDS, PRECISIONS
 from inductor_ext.cli_args import check_output_path, nonempty_path, positive_float, positive_int, seed
@@ -115,7 +116,7 @@ def _run(argv) -> int:
                      help="torch.compile backend of the training model (default inductor, with the plugin "
                           "enabled; none = eager)")
     mis.add_argument("--arms", nargs="+", help="subset of arms (default: reference, every path, serving_aligned)")
-    mis.add_argument("--preset", choices=("tiny", "h200_stack"), default="tiny",
+    mis.add_argument("--preset", choices=tuple(MODEL_PRESETS), default="tiny",
                      help="model: tiny (CPU, default) or h200_stack (3 KDA + 1 DSA at h200 widths, 32 experts; CUDA)")
     mis.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     mis.add_argument("--batch-invariant", action="store_true",

@@ -1,5 +1,5 @@
 """Seeded inputs of the benchmarks, the report and the tests: KDA, the KPool indexer, the MoE
-activation and whole GLM-5.3 decoder layers.
+activation, whole GLM-5.3 decoder layers, the reduced model and its prompts.
 
 Packed documents are given by their lengths; ``cu_seqlens`` is int64 ``[0, l0, l0 + l1, ...]``.
 Values are drawn in FP32 from a seeded ``torch.Generator`` and then cast, so the same seed gives
@@ -14,13 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
-from graphs import DecoderLayer, GLM53Config
+from graphs import DecoderLayer, GLM53Config, GLM53Model
 from graphs.modules import cast_model
 
-__all__ = ["KDA_ARGS", "cu_seqlens", "two_documents", "kda_inputs", "kpool_inputs", "kpool_weights", "moe_inputs",
-           "decoder_layer", "layer_inputs"]
+__all__ = ["KDA_ARGS", "MODEL_PRESETS", "cu_seqlens", "two_documents", "kda_inputs", "kpool_inputs", "kpool_weights",
+           "moe_inputs", "decoder_layer", "layer_inputs", "build_model", "make_prompts"]
 
 KDA_ARGS = ("q", "k", "v", "g", "beta")  # kda_chunk's tensor arguments, in order
+# build_model's presets: tiny (CPU) and h200_stack (3 KDA + 1 DSA layers at h200 widths, CUDA)
+MODEL_PRESETS = {"tiny": GLM53Config.tiny, "h200_stack": GLM53Config.h200_stack}
 
 
 def cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
@@ -114,3 +116,22 @@ def layer_inputs(cfg: GLM53Config, tokens: int, device="cpu", *, count: int = 1,
     gen = torch.Generator(device=device).manual_seed(seed)
     xs = [_randn(gen, tokens, cfg.hc_mult, cfg.hidden_size).to(torch.bfloat16) for _ in range(count)]
     return xs, cu_seqlens(two_documents(tokens), device)
+
+
+def build_model(seed: int = 0, preset: str = "tiny", device: str = "cpu") -> GLM53Model:
+    """The reduced GLM-5.3 model (a :data:`MODEL_PRESETS` name) with seeded random weights (drawn on
+    the CPU, so every device gets the same ones), BF16 (the training dtype), eval mode, on ``device``,
+    ``precision=None`` (callers select a config with :func:`inductor_ext.precision`)."""
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"build_model: preset must be one of {tuple(MODEL_PRESETS)}, got {preset!r}")
+    cfg = MODEL_PRESETS[preset]()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GLM53Model(cfg)
+    return model.to_dtype(torch.bfloat16).to(device).eval().requires_grad_(False)
+
+
+def make_prompts(vocab_size: int, num_seqs: int, prompt_len: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """Seeded uniform random prompts (drawn on the CPU), int64 ``[num_seqs, prompt_len]`` on ``device``."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(0, vocab_size, (num_seqs, prompt_len), generator=gen, dtype=torch.int64).to(device)

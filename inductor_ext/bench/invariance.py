@@ -5,7 +5,7 @@ In one process, under ``serving_aligned()`` and under the same config with ``bat
 - the ``h200`` KDA and DSA decoder layers, forward and forward + backward, compiled and replayed
   as CUDA graphs (:func:`inductor_ext.bench.layer.bench_layer` with ``timing_only``: its rows,
   p50 / max per replay; ``bench layer`` is where the compiled layers are checked against eager);
-- one serving decode step of the ``h200_stack`` model (:func:`inductor_ext.report.mismatch.build_model`;
+- one serving decode step of the ``h200_stack`` model (:func:`inductor_ext.bench.inputs.build_model`;
   ``decode_seqs`` sequences after a ``decode_prompt``-token prefill, eager as the decoder runs:
   CUDA events around each :meth:`graphs.decode.ServingDecoder.step`, ``decode_steps`` steps after
   two warm-up steps).
@@ -82,7 +82,7 @@ def bench_invariance(tokens: int = 8192, samples: int = 20, progress=None, *, de
 def _decode_step(config, seqs: int, prompt: int, steps: int) -> dict:
     from graphs.decode import ServingDecoder
     from graphs.serving import ServingForward
-    from inductor_ext.report.mismatch import build_model, make_prompts
+    from inductor_ext.bench.inputs import build_model, make_prompts
 
     model = build_model(0, "h200_stack", "cuda")
     decoder = ServingDecoder(ServingForward(model, config))

@@ -1,6 +1,7 @@
 """Fixed-token training/serving mismatch-KL ablation over :class:`PrecisionConfig` arms.
 
-Protocol (reduced model from ``graphs/``: ``tiny`` on the CPU, ``h200_stack`` on CUDA):
+Protocol (reduced model from ``graphs/``, :func:`inductor_ext.bench.inputs.build_model`: ``tiny`` on
+the CPU, ``h200_stack`` on CUDA):
 
 1. Build the model (random weights, seeded) in BF16 and *calibrate* it: random weights give nearly
    uniform next-token distributions, which hide mismatch, so the lm_head weight is scaled until the
@@ -78,23 +79,22 @@ import pathlib
 import torch
 
 import inductor_ext
-from graphs import GLM53Config, GLM53Model
 from graphs.decode import ServingDecoder
 from graphs.serving import SERVING_PRECISION, ServingForward
 from inductor_ext import ops
 from inductor_ext import validation as v
+from inductor_ext.bench.inputs import MODEL_PRESETS, build_model, make_prompts
 from inductor_ext.config import PrecisionConfig, precision
 
-__all__ = ["MismatchSettings", "PRESETS", "BATCH_INVARIANT_OVERRIDES", "path_fields", "default_arms",
-           "batch_invariant_config", "stack_config", "build_model", "make_prompts", "calibrate", "log_probs", "rollout",
-           "logratio_metrics", "score", "run_mismatch", "format_title", "format_table", "format_markdown", "write_json"]
+__all__ = ["MismatchSettings", "BATCH_INVARIANT_OVERRIDES", "path_fields", "default_arms", "batch_invariant_config",
+           "calibrate", "log_probs", "rollout", "logratio_metrics", "score", "run_mismatch", "format_title",
+           "format_table", "format_markdown", "write_json"]
 
 LN2 = math.log(2.0)
 # the fields batch_invariant=True needs (PrecisionConfig refuses mla="decompressed" with it)
 BATCH_INVARIANT_OVERRIDES = {"mla": "absorbed"}
 
 COMPILE_BACKENDS = ("aot_eager", "inductor", "eager", "none")
-PRESETS = ("tiny", "h200_stack")  # h200_stack: 3 KDA + 1 DSA layers at h200 widths, CUDA only (see stack_config)
 DEVICES = ("cpu", "cuda")
 
 
@@ -117,7 +117,7 @@ class MismatchSettings:
         if self.preset == "h200_stack" and self.device != "cuda":
             raise ValueError("mismatch: the h200_stack preset needs --device cuda (a GPU machine); use tiny on CPU")
         # an entropy over V tokens is below ln V (uniform): a larger target cannot be calibrated to
-        top = math.log(stack_config().vocab_size if self.preset == "h200_stack" else GLM53Config.tiny().vocab_size)
+        top = math.log(MODEL_PRESETS[self.preset]().vocab_size)
         if not self.target_entropy < top:
             raise ValueError(f"mismatch: target_entropy must be < ln(vocab_size) = {top:.4g} nats for the "
                              f"{self.preset} preset, got {self.target_entropy}")
@@ -125,7 +125,7 @@ class MismatchSettings:
 
 # every MismatchSettings field's rule (inductor_ext.validation); the seed: non-negative, seed + 2 (the
 # rollout's generator) inside torch.manual_seed's range
-_SETTINGS_RULES = {"preset": v.one_of(PRESETS), "device": v.one_of(DEVICES), "seed": v.integer(0, 2**64 - 3),
+_SETTINGS_RULES = {"preset": v.one_of(MODEL_PRESETS), "device": v.one_of(DEVICES), "seed": v.integer(0, 2**64 - 3),
                    "num_seqs": v.integer(1), "prompt_len": v.integer(1), "new_tokens": v.integer(1),
                    "target_entropy": v.real(gt=0), "compile": v.one_of(COMPILE_BACKENDS),
                    "batch_invariant": v.boolean()}
@@ -150,34 +150,6 @@ def default_arms() -> dict[str, PrecisionConfig]:
 def batch_invariant_config(cfg: PrecisionConfig) -> PrecisionConfig:
     """``cfg`` with ``batch_invariant=True`` and :data:`BATCH_INVARIANT_OVERRIDES`."""
     return cfg.replace(batch_invariant=True, **BATCH_INVARIANT_OVERRIDES)
-
-
-def stack_config():
-    """The ``h200_stack`` preset: ``h200`` widths, 3 KDA layers + 1 DSA layer (the first MLP dense,
-    the others MoE with 32 routed experts, top-8), FlexAttention for the sparse attention."""
-    return GLM53Config.h200(
-        num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("indexed_attention",),
-        mlp_layer_types=("dense", "sparse", "sparse", "sparse"), indexer_types=("full",) * 4,
-        n_routed_experts=32, attn_impl="flex")
-
-
-def build_model(seed: int = 0, preset: str = "tiny", device: str = "cpu"):
-    """The reduced GLM-5.3 model (``tiny`` or ``h200_stack``) with seeded random weights (drawn on
-    the CPU, so every device gets the same ones), BF16 (the training dtype), eval mode, on ``device``,
-    ``precision=None`` (each arm selects its config with :func:`inductor_ext.precision`)."""
-    if preset not in PRESETS:
-        raise ValueError(f"mismatch: preset must be one of {PRESETS}, got {preset!r}")
-    cfg = GLM53Config.tiny() if preset == "tiny" else stack_config()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = GLM53Model(cfg)
-    return model.to_dtype(torch.bfloat16).to(device).eval().requires_grad_(False)
-
-
-def make_prompts(vocab_size: int, num_seqs: int, prompt_len: int, seed: int, device: str = "cpu") -> torch.Tensor:
-    """Seeded uniform random prompts (drawn on the CPU), int64 ``[num_seqs, prompt_len]`` on ``device``."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    return torch.randint(0, vocab_size, (num_seqs, prompt_len), generator=gen, dtype=torch.int64).to(device)
 
 
 def _packed(seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ import torch
 from graphs.decode import DecodeCache, ServingDecoder
 from graphs.serving import SERVING_PRECISION, ServingForward
 from inductor_ext import PrecisionConfig
-from inductor_ext.report.mismatch import build_model, calibrate, make_prompts, rollout
+from inductor_ext.bench.inputs import build_model, make_prompts
+from inductor_ext.report.mismatch import calibrate, rollout
 
 PRECISIONS = {
     "serving_aligned": SERVING_PRECISION,

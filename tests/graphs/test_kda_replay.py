@@ -21,8 +21,8 @@ from graphs.kda_layer import LinearAttention
 from graphs.kda_replay import CHUNK, replay_prefill, replay_step
 from graphs.serving import ServingForward
 from inductor_ext import PrecisionConfig, ops
+from inductor_ext.bench.inputs import build_model
 from inductor_ext.ops.packing import document_positions
-from inductor_ext.report.mismatch import build_model
 from tests.support.batch_invariant import DEVICES
 
 KDA = ["bf16", "fp32"]

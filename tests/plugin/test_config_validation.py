@@ -15,7 +15,7 @@ from inductor_ext.bench import BENCHES, Benchmark
 from inductor_ext.bench import layer as bench_layer
 from inductor_ext.ops import kda_reference, kpool_reference
 from inductor_ext.ops.kpool import check_pool_geometry
-from inductor_ext.report.mismatch import MismatchSettings, stack_config
+from inductor_ext.report.mismatch import MismatchSettings
 
 NAN, INF = float("nan"), float("inf")
 POS_INT = (0, -1, 2.0, True, "4", None)  # a positive int field: zero, negative, float, bool, str, None
@@ -113,7 +113,7 @@ def test_every_field_has_a_bad_case(cls_name):
 
 
 @pytest.mark.parametrize("build", [
-    GLM53Config, GLM53Config.tiny, GLM53Config.h200, stack_config, lambda: GLM53Config.h200(attn_impl="flex"),
+    GLM53Config, GLM53Config.tiny, GLM53Config.h200, GLM53Config.h200_stack, lambda: GLM53Config.h200(attn_impl="flex"),
     lambda: GLM53Config.from_hf(GLM53Config.tiny().to_hf_dict()),
     lambda: GLM53Config.from_hf(GLM53Config.h200().to_hf_dict()),
     lambda: GLM53Config.tiny(n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=2),

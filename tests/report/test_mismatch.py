@@ -7,19 +7,19 @@ import math
 import pytest
 import torch
 
+from graphs import GLM53Config
 from graphs.serving import SERVING_PRECISION, ServingForward
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.__main__ import main
+from inductor_ext.bench.inputs import build_model
 from inductor_ext.report.mismatch import (
     LN2,
     MismatchSettings,
     batch_invariant_config,
-    build_model,
     default_arms,
     logratio_metrics,
     path_fields,
     run_mismatch,
-    stack_config,
 )
 
 # small enough for a 2-core CPU: 4 sequences x (16 prompt + 16 sampled) tokens. The all-arms run
@@ -220,7 +220,7 @@ def test_bad_arm_name_exits_2(tmp_path, capsys):
 def test_h200_stack_preset_is_3_kda_1_dsa_layers_and_needs_cuda(tmp_path, capsys):
     """3 KDA + 1 DSA layers at h200 widths with 32 routed experts; on the CPU it is refused with a
     one-line error (exit 2), not silently swapped for tiny."""
-    cfg = stack_config()
+    cfg = GLM53Config.h200_stack()
     assert cfg.layer_types == ("linear_attention",) * 3 + ("indexed_attention",)
     assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size) == (32, 8, 4096)
     with pytest.raises(ValueError, match="needs --device cuda"):
