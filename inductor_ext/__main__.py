@@ -15,8 +15,7 @@ from inductor_ext.bench.inputs import MODEL_PRESETS
 from inductor_ext.bench.invariance import PARTS as INVARIANCE_PARTS
 from inductor_ext.bench.layer import KINDS, PRECISIONS
 from inductor_ext.cli_args import check_output_path, nonempty_path, positive_float, positive_int, seed
-from inductor_ext.parallel import check as cp_check
-from inductor_ext.report import MismatchSettings, default_arms, format_table, run_mismatch, run_report
+from inductor_ext.report import MismatchSettings, cp_check, default_arms, format_table, run_mismatch, run_report
 from inductor_ext.report.report import write_mismatch
 
 __all__ = ["main"]

@@ -12,9 +12,9 @@ Public surface::
 Pieces: :mod:`~inductor_ext.parallel.context` (the metadata), :mod:`~inductor_ext.parallel.collectives`
 (differentiable, traceable all-gathers), :mod:`~inductor_ext.parallel.kda` (KDA: local pass,
 FP32 transitions, one all-gather, fold, correction), :mod:`~inductor_ext.parallel.halo` (the
-short convolution's 3-token halo), :mod:`~inductor_ext.parallel.indexer` (KPool indexer: global
-keys, local queries, global ids) and :mod:`~inductor_ext.parallel.check` (the ``cp-check``
-command: CP against one rank on spawned processes).
+short convolution's 3-token halo) and :mod:`~inductor_ext.parallel.indexer` (KPool indexer: global
+keys, local queries, global ids). The ``cp-check`` command (CP against one rank on spawned
+processes) is :mod:`inductor_ext.report.cp_check`.
 """
 
 from __future__ import annotations

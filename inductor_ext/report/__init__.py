@@ -1,6 +1,7 @@
-"""The accuracy / compile / timing report (``python -m inductor_ext report``) and the train/serve
-mismatch-KL ablation (``python -m inductor_ext mismatch``): :mod:`~inductor_ext.report.report`
-and :mod:`~inductor_ext.report.mismatch`."""
+"""The accuracy / compile / timing report (``python -m inductor_ext report``), the train/serve
+mismatch-KL ablation (``python -m inductor_ext mismatch``) and the context-parallel check
+(``python -m inductor_ext cp-check``): :mod:`~inductor_ext.report.report`,
+:mod:`~inductor_ext.report.mismatch` and :mod:`~inductor_ext.report.cp_check`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The tiny GLM-5.3 model under context parallelism against one rank, on 2 gloo processes; a KDA
 and a DSA decoder layer compiled with ``fullgraph=True`` per rank (collectives in the graph, one
 frame, no recompile for a new batch of the same shapes); FSDP2 ``fully_shard`` over compiled
-decoder layers trains two steps with one rank's losses (slow: about 90 s on 2 cores). On 4 gloo
-processes: ``cp-check`` itself (``inductor_ext.parallel.check``) for ``reference()`` (zigzag) and
-``serving_aligned()`` (contiguous), every row within its stated bound, and the same runs with
-planted partial gradients, which must fail exactly the planted rows.
+decoder layers trains two steps with one rank's losses (slow: about 90 s on 2 cores). ``cp-check``
+itself (the whole tiny model's gradients, on 2 and 4 ranks): ``tests/report/test_cp_check.py``.
 
 Models: ``GLM53Config.tiny`` with both layers ``linear_attention``, and the whole tiny model (KDA,
 DSA with its own indexer, DSA sharing it: keys and gates all-gathered before pooling, the MLA
@@ -22,7 +20,7 @@ a shard boundary, ``test_kda_cp``; every other step is per token):
   own distance to the FP32 run on the same weights: the mHC ``scale``/``base`` gradients (3 and 24
   numbers, sums over all tokens with heavy cancellation) are noise-dominated (~0.2 apart in BF16,
   2e-5 in FP32). The whole tiny model's gradients go through ``cp-check`` on 2 and 4 ranks
-  instead (indexer selections pinned, derived bounds: ``inductor_ext.parallel.check``).
+  instead (indexer selections pinned, derived bounds: ``inductor_ext.report.cp_check``).
 - Bitwise equality is reported (``first_doc_bitwise``: the document inside the first shard), and
   asserted only for the whole model under ``serving_aligned().replace(batch_invariant=True)``
   (every op row-invariant, the indexer's too; measured bitwise for every config here): the per-token matmuls (the MoE's grouped GEMM over each expert's rows, above all) see
@@ -35,7 +33,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inductor_ext.parallel.check import fp32_copy
+from inductor_ext.report.cp_check import fp32_copy
 from tests.support.parallel import bitwise, job_result, register, rel_l2, run_ranks
 
 T = 64
@@ -188,29 +186,6 @@ def dynamic_worker(rank: int, world: int) -> dict:
     return {"frames": counter.frame_count, "bitwise": bitwise_at}
 
 
-def check_worker(rank: int, world: int, config_name: str, layout: str, plants: tuple = ()) -> dict:
-    """``cp-check`` itself (:func:`inductor_ext.parallel.check._compare`, T = 32·world): its rows,
-    and with ``plants`` a second row set from the same runs with those partial gradients planted."""
-    from inductor_ext.parallel.check import _compare
-
-    sets = ((),) + ((plants,) if plants else ())
-    row_sets, meta = _compare(world, torch.device("cpu"), layout, config_name, 32 * world, sets)
-    return {"rows": row_sets, "meta": meta}
-
-
-# planted defects for the self-test: rank 0's partial of the ill-conditioned 3-number mHC gradient 10%
-# off in both precisions (the FP32 row must reject it; in BF16 it is below the rounding noise of
-# that ill-conditioned sum, so the BF16 row passes), and rank 0's partial of the first DSA layer's
-# kv_b_proj gradient doubled in the BF16 run only (a double count: the BF16 row must reject it)
-PLANTS = (("layers.1.attn_hc.scale", 0, 1.1, "both"), ("layers.1.self_attn.kv_b_proj.weight", 0, 2.0, "bf16"))
-PLANT_REJECTS = {"grad fp32 layers.1.attn_hc.scale", "grad layers.1.self_attn.kv_b_proj.weight"}
-CHECK_CASES = (("reference", "zigzag"), ("serving_aligned", "contiguous"))
-for _c, _lay in CHECK_CASES:
-    register(4, f"cp-check-{_c}-{_lay}", check_worker, _c, _lay, PLANTS if _c == "reference" else ())
-TWO_RANK_CHECKS = [(c, lay) for c in ("reference", "serving_aligned") for lay in LAYOUTS]
-for _c, _lay in TWO_RANK_CHECKS:
-    register(2, f"cp-check-{_c}-{_lay}", check_worker, _c, _lay)
-
 
 CASES = [(c, lay) for c in CONFIGS for lay in LAYOUTS]
 for _c in CONFIGS:
@@ -244,7 +219,7 @@ FULL_CASES = [(c, lay) for c in FULL_CONFIGS for lay in LAYOUTS]
 def test_tiny_model_with_dsa_layers_cp_equals_one_rank(config_name, layout):
     """The whole tiny model (the DSA layers gather the indexer keys and the MLA latent; global ids),
     BF16: logits as the KDA-only BF16 model, every parameter reached. Its gradients are judged by
-    ``cp-check`` with the indexer selections pinned (test_cp_check_on_two_ranks): unpinned, one
+    ``cp-check`` with the indexer selections pinned (tests/report/test_cp_check.py): unpinned, one
     top-k flip between CP and one rank moves a 3-number mHC gradient past any fixed bound (seen
     here: layers.2.attn_hc.scale 5.0e-2 against max(3e-2, 3·noise) = 4.9e-2; docs/DESIGN.md §8)."""
     res = job_result(2, f"full-model-{config_name}")[0][layout]
@@ -252,37 +227,6 @@ def test_tiny_model_with_dsa_layers_cp_equals_one_rank(config_name, layout):
     assert res["logits"][0] <= 2e-2, res["logits"]
     if config_name == "batch_invariant":  # inside shard 0, every op row-invariant: bitwise one rank's rows
         assert res["first_doc_bitwise"], res
-
-
-@pytest.mark.parametrize("config_name,layout", TWO_RANK_CHECKS, ids=[f"{c}-{lay}" for c, lay in TWO_RANK_CHECKS])
-def test_cp_check_on_two_ranks(config_name, layout):
-    """``cp-check --ranks 2`` on the whole tiny model: every row within its stated bound."""
-    rows = job_result(2, f"cp-check-{config_name}-{layout}")[0]["rows"][0]
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, bad
-    assert any(r["name"].startswith("grad fp32 ") for r in rows)
-
-
-@pytest.mark.parametrize("config_name,layout", CHECK_CASES, ids=[f"{c}-{lay}" for c, lay in CHECK_CASES])
-def test_cp_check_on_four_ranks(config_name, layout):
-    """``cp-check --ranks 4`` on the whole tiny model: every row within its tolerance (gradients
-    with the indexer selections pinned, BF16 within 3·√2·noise + fp32_gap, FP32 within 1e-4), the
-    model's own indexer flips no more rows than one rank's BF16 and FP32 runs differ in."""
-    res = job_result(4, f"cp-check-{config_name}-{layout}")[0]
-    rows = res["rows"][0]
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, bad
-    names = {r["name"] for r in rows}
-    assert "grad layers.1.attn_hc.scale" in names and "grad fp32 layers.1.attn_hc.scale" in names
-    assert any(r["name"].startswith("model indexer ids") for r in rows)
-
-
-def test_cp_check_rejects_planted_gradients():
-    """The check can fail: the planted partials (PLANTS) fail exactly their rows, nothing else."""
-    res = job_result(4, "cp-check-reference-zigzag")[0]
-    planted = res["rows"][1]
-    assert {r["name"] for r in planted if not r["ok"]} == PLANT_REJECTS, \
-        [(r["name"], r["rel_l2"], r["tolerance"]) for r in planted if not r["ok"] or r["name"] in PLANT_REJECTS]
 
 
 @pytest.mark.parametrize("kind", ["kda", "dsa"])

@@ -45,7 +45,7 @@ carries ``noise``, ``noise_draw``, ``noise_groups``, ``fp32_gap``, ``kappa`` (â€
 row is within tolerance, 1 otherwise.
 
 Self-test: ``--plant NAME:RANK:FACTOR[:both|bf16|fp32]`` scales one rank's partial gradient
-before the all-reduce; the check must then fail (``tests/parallel/test_model_cp.py`` plants one
+before the all-reduce; the check must then fail (``tests/report/test_cp_check.py`` plants one
 into each kind of gradient row).
 """
 
