@@ -1,5 +1,6 @@
 """Rules of the project's layout (docs/DESIGN.md, "Layout" and "Rules"): no import circles among the
-project's modules, no module over 500 lines outside ``tests/``, no test module importing another,
+project's modules nor among its packages (the leaves importing only leaves, the fakes and kernels
+only leaves), no module over 500 lines outside ``tests/``, no test module importing another,
 a cache salt that covers exactly the files that change compiled code, and the README's usage
 snippet running as written. Each checker is also run on a small planted tree, so it is seen to fail."""
 
@@ -11,10 +12,20 @@ import textwrap
 import pytest
 
 from inductor_ext import plugin
-from tests.support.project import ROOT, import_cycles, import_graph, line_counts, module_name
+from tests.support.project import (
+    LEAVES,
+    LIBRARY,
+    ROOT,
+    import_cycles,
+    import_graph,
+    is_leaf,
+    line_counts,
+    module_name,
+    package_cycles,
+    package_graph,
+)
 
 MAX_LINES = 500
-LIBRARY = ("inductor_ext", "lowerings", "fake_impls", "graphs")
 
 
 def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
@@ -72,6 +83,81 @@ def test_circle_checker_resolves_relative_and_attribute_imports(tmp_path):
     graph = import_graph(root, ("pkg",))
     assert graph["pkg"] == {"pkg.sub"} and graph["pkg.sub.m"] == {"pkg.sub"}
     assert import_cycles(graph) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# package circles: the floors
+# ---------------------------------------------------------------------------------------------
+
+
+def _package_circles(graph: dict[str, set[str]], **kw) -> str:
+    return "\n".join(" <-> ".join(packages) + "\n" + "\n".join("    " + line for line in lines)
+                     for packages, lines in package_cycles(package_graph(graph, **kw)))
+
+
+def test_no_package_circles():
+    """Every import runs down the floors of DESIGN §2: the package graph (leaves a node of their own
+    below their package, function-level imports counted) has no circle."""
+    circles = _package_circles(import_graph(ROOT, LIBRARY))
+    assert not circles, "package circles (each with the imports between its packages):\n" + circles
+
+
+def test_package_checker_finds_a_package_circle(tmp_path):
+    """No module circle, but the packages ``pkg.low`` and ``pkg.high`` import each other (one of
+    the imports inside a function); an import of a leaf does not close a circle."""
+    root = _tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/leaf.py": "X = 1\n",
+        "pkg/low/__init__.py": "",
+        "pkg/low/a.py": "from pkg import leaf\n",
+        "pkg/low/b.py": "def f():\n    from pkg.high.c import g\n    return g\n",
+        "pkg/high/__init__.py": "",
+        "pkg/high/c.py": "from pkg.low import a\nfrom pkg import leaf\ndef g():\n    pass\n",
+        "pkg/high/d.py": "import pkg.leaf\n",
+    })
+    graph = import_graph(root, ("pkg",))
+    units = ("pkg", "pkg.low", "pkg.high")
+    assert import_cycles(graph) == []
+    assert _package_circles(graph, units=units, leaves=("pkg.leaf",)) == (
+        "pkg.high <-> pkg.low\n    pkg.high -> pkg.low: pkg.high.c -> pkg.low.a\n"
+        "    pkg.low -> pkg.high: pkg.low.b -> pkg.high.c")
+    graph["pkg.low.b"] = set()  # the function-level import gone, the packages run one way
+    assert _package_circles(graph, units=units, leaves=("pkg.leaf",)) == ""
+    assert package_graph(graph, units=units, leaves=("pkg.leaf",))["pkg.high"] == {
+        "pkg.low": {("pkg.high.c", "pkg.low.a")}, "pkg (leaves)": {("pkg.high.c", "pkg.leaf"), ("pkg.high.d", "pkg.leaf")}}
+
+
+def _outside(graph: dict[str, set[str]], importers, allowed) -> dict[str, set[str]]:
+    """Modules matching ``importers`` → what they import that ``allowed`` rejects."""
+    return {m: bad for m, deps in graph.items() if importers(m) and (bad := {d for d in deps if not allowed(m, d)})}
+
+
+def _leaves_importing_non_leaves(graph, leaves=LEAVES):
+    return _outside(graph, lambda m: is_leaf(m, leaves), lambda m, d: is_leaf(d, leaves))
+
+
+def test_leaves_import_only_leaves():
+    graph = import_graph(ROOT, LIBRARY)
+    assert not _leaves_importing_non_leaves(graph), "leaves importing non-leaves: move what they need into a leaf"
+    stale = [p for p in LEAVES if not any(is_leaf(m, (p,)) for m in graph)]
+    assert not stale, f"leaf patterns naming no module: {stale}"
+
+
+def test_fakes_and_kernels_import_only_leaves():
+    """DESIGN §2: the fake kernels and the GPU kernels import leaves (and their own package), never
+    an op module; a fake needing something of an op finds it in the family's leaf."""
+    graph = import_graph(ROOT, LIBRARY)
+    for pkg in ("fake_impls", "inductor_ext.kernels"):
+        inside = lambda m, pkg=pkg: m == pkg or m.startswith(pkg + ".")  # noqa: E731
+        bad = _outside(graph, inside, lambda m, d, inside=inside: inside(d) or is_leaf(d))
+        assert not bad, f"{pkg} importing modules that are not leaves: {bad}"
+
+
+def test_leaf_checker_flags_a_leaf_importing_an_op(tmp_path):
+    root = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/config.py": "", "pkg/op.py": "",
+                            "pkg/x_reference.py": "from pkg import config\ndef f():\n    from pkg.op import g\n"})
+    graph = import_graph(root, ("pkg",))
+    assert _leaves_importing_non_leaves(graph, ("pkg.config", "pkg.*_reference")) == {"pkg.x_reference": {"pkg.op"}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +224,7 @@ def test_salt_of_the_installed_tree():
 
 
 @pytest.mark.parametrize("rel", ["inductor_ext/bench/kda.py", "inductor_ext/report/report.py", "graphs/model.py",
-                                 "inductor_ext/__main__.py"])
+                                 "inductor_ext/__main__.py", "inductor_ext/report/cp_check.py"])
 def test_editing_tooling_leaves_the_salt(tree_copy, rel):
     before = plugin.hash_sources(tree_copy)
     _edit(tree_copy / rel)
@@ -146,7 +232,8 @@ def test_editing_tooling_leaves_the_salt(tree_copy, rel):
 
 
 @pytest.mark.parametrize("rel", ["lowerings/swiglu.py", "inductor_ext/ops/kda.py", "fake_impls/kpool.py",
-                                 "inductor_ext/config.py", "inductor_ext/kernels/kpool/select.py"])
+                                 "inductor_ext/config.py", "inductor_ext/kernels/kpool/select.py",
+                                 "inductor_ext/ops/fp8_qdq_reference.py"])
 def test_editing_compiled_code_changes_the_salt(tree_copy, rel):
     before = plugin.hash_sources(tree_copy)
     _edit(tree_copy / rel)

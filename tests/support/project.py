@@ -1,15 +1,30 @@
-"""Static views of the project's own source tree, for the layout rules of ``tests/plugin/test_layout.py``:
-the import graph (module-level and function-level imports), its cycles, and module line counts."""
+"""Static views of the project's own source tree, for the layout rules of ``tests/test_project_layout.py``:
+the import graph (module-level and function-level imports), its cycles, the same graph between
+packages (the floors of docs/DESIGN.md §2), and module line counts."""
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 import pathlib
 
-__all__ = ["ROOT", "PACKAGES", "module_files", "module_name", "import_graph", "import_cycles", "line_counts"]
+__all__ = ["ROOT", "PACKAGES", "LIBRARY", "UNITS", "LEAVES", "module_files", "module_name", "import_graph",
+           "import_cycles", "is_leaf", "unit_of", "package_graph", "package_cycles", "line_counts"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("inductor_ext", "lowerings", "fake_impls", "graphs", "tests")
+LIBRARY = ("inductor_ext", "lowerings", "fake_impls", "graphs")  # the installed packages (tests/ left out)
+# the packages of the package-level graph: a module belongs to the longest one that names it or a
+# package above it. inductor_ext's own top-level modules are ``inductor_ext`` (the public surface:
+# __init__, plugin), except its command line, which sits on top of the commands it runs
+UNITS = ("fake_impls", "lowerings", "graphs", "inductor_ext", "inductor_ext.ops", "inductor_ext.kernels",
+         "inductor_ext.parallel", "inductor_ext.bench", "inductor_ext.report", "inductor_ext.__main__")
+# the leaves (DESIGN §2), fnmatch patterns of module names: they import nothing of the project but
+# each other, so every floor may import them; in the package graph they are a node of their own
+# below their package ("inductor_ext.ops (leaves)")
+LEAVES = ("inductor_ext._version", "inductor_ext.validation", "inductor_ext.config", "inductor_ext.workspace",
+          "inductor_ext.backends", "inductor_ext.cli_args", "inductor_ext.ops._checks", "inductor_ext.ops.packing",
+          "inductor_ext.ops.ordered", "inductor_ext.ops.*_reference")
 
 
 def module_files(root: pathlib.Path = ROOT, packages=PACKAGES) -> list[pathlib.Path]:
@@ -95,6 +110,46 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return sorted(cycles)
+
+
+def is_leaf(module: str, leaves=LEAVES) -> bool:
+    """Whether ``module`` matches one of the ``leaves`` patterns."""
+    return any(fnmatch.fnmatchcase(module, pattern) for pattern in leaves)
+
+
+def unit_of(module: str, units=UNITS, leaves=LEAVES) -> str | None:
+    """The package-graph node of ``module``: the longest of ``units`` that is ``module`` or a package
+    above it, with `` (leaves)`` added for a leaf; None outside every unit."""
+    unit = max((u for u in units if module == u or module.startswith(u + ".")), key=len, default=None)
+    return None if unit is None else unit + " (leaves)" if is_leaf(module, leaves) else unit
+
+
+def package_graph(graph: dict[str, set[str]], units=UNITS, leaves=LEAVES) -> dict[str, dict[str, set[tuple[str, str]]]]:
+    """Package → package it imports → the module imports that draw that edge, ``(importer, imported)``;
+    ``graph`` from :func:`import_graph` (so function-level imports count). Imports inside one
+    package, and of modules outside every unit, are left out."""
+    out: dict[str, dict[str, set[tuple[str, str]]]] = {}
+    for module, deps in graph.items():
+        a = unit_of(module, units, leaves)
+        if a is None:
+            continue
+        out.setdefault(a, {})
+        for dep in deps:
+            b = unit_of(dep, units, leaves)
+            if b is not None and b != a:
+                out[a].setdefault(b, set()).add((module, dep))
+    return out
+
+
+def package_cycles(packages: dict[str, dict[str, set[tuple[str, str]]]]) -> list[tuple[list[str], list[str]]]:
+    """The circles of :func:`package_graph`: per strongly connected component of more than one
+    package, ``(its packages sorted, one line per edge between them: "a -> b: importer -> imported, ...")``."""
+    out = []
+    for cycle in import_cycles({a: set(bs) for a, bs in packages.items()}):
+        lines = [f"{a} -> {b}: " + ", ".join(f"{m} -> {d}" for m, d in sorted(packages[a][b]))
+                 for a in cycle for b in sorted(packages[a]) if b in cycle]
+        out.append((cycle, lines))
+    return out
 
 
 def line_counts(root: pathlib.Path = ROOT, packages=PACKAGES) -> dict[str, int]:
