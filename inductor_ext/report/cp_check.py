@@ -295,10 +295,10 @@ def _compare(world, device, layout, config, T, plant_sets=((),)):
     attn = model.layers[cfg.first_layer("kda")].self_attn
     x = torch.randn(T, cfg.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
     with torch.no_grad():
-        qkv = attn.short_conv(attn.qkv_proj(x), document_positions(cu, T, device))
+        qkv = attn.short_conv(attn.qkv_proj(x, prec), document_positions(cu, T, device))
         _, states_ref = attn.mix(x, qkv, cu, prec, False)
         xl = ctx.shard(x)
-        raw = attn.qkv_proj(xl)
+        raw = attn.qkv_proj(xl, prec)
         qkv_l = attn.short_conv(raw, ctx.doc_positions, halo_exchange(raw, ctx, attn.kernel - 1))
         _, states_local = attn.mix(xl, qkv_l, None, prec, False, cp=ctx)
         states_cp = collect_document_states(states_local, ctx)
