@@ -10,6 +10,7 @@ Public surface::
     ids, cu, n = pad_to_bucket(input_ids, cu_seqlens, 256)          # few lengths, for CUDA graphs
     out = model(input_ids=ids, position_ids=pos, labels=labels)   # transformers call: .logits, .loss
     hf_model = patch_transformers(hf_model, precision=None)      # a transformers glm5_next model, in place
+    shard_fsdp2(hf_model, mesh)                                  # FSDP2 after checkpointing + compiling layers
 
 ``graphs.signature`` records the op sequence of the compiled graphs; the recorded signatures live
 in ``tests/graphs/signatures/``.
@@ -26,7 +27,8 @@ from graphs.sparse_attention import sparse_attention
 __all__ = ["GLM53Config", "GLM53Model", "DecoderLayer", "LinearAttention", "IndexedAttention", "Indexer",
            "MLP", "MoE", "HyperConnection", "RMSNorm", "sparse_attention", "pad_to_bucket"]
 
+from graphs.fsdp import shard_fsdp2  # noqa: E402
 from graphs.serving import ServingForward  # noqa: E402
 from graphs.transformers_patch import patch_transformers  # noqa: E402
 
-__all__ += ["ServingForward", "patch_transformers"]
+__all__ += ["ServingForward", "patch_transformers", "shard_fsdp2"]

@@ -21,7 +21,8 @@ output). Text only: images and videos are refused.
 
 Order for a trainer (torchtitan): patch, then wrap each ``model...layers[i]`` in activation
 checkpointing, then ``torch.compile(..., fullgraph=True)`` each, then ``fully_shard`` each and the
-root. The per-layer call is ``layer(streams [T, N, D], cu_seqlens, prev_ids, precision)``.
+root (:func:`graphs.shard_fsdp2`, which replicates the FP32 parameters of a BF16 model). The
+per-layer call is ``layer(streams [T, N, D], cu_seqlens, prev_ids, precision)``.
 
 The KPool indexer's parameters get no gradient: it returns integer token ids (a top-k selection,
 discontinuous in its scores), so no gradient flows back into it; it is frozen, as in serving.

@@ -11,65 +11,31 @@ the surrogate loss falls over four optimizer steps (Adam, lr 1e-4; measured 0, -
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import inductor_ext
-from graphs import GLM53Model, patch_transformers
-from graphs.rollout import sample
-from graphs.serving import SERVING_PRECISION
-from inductor_ext import PrecisionConfig
 
 pytest.importorskip("transformers")
-from tests.support.hf import tiny_hf_model  # noqa: E402
-
-TRAIN = PrecisionConfig.serving_aligned().replace(batch_invariant=True)
-SERVE = SERVING_PRECISION.replace(batch_invariant=True)
-SEQS, PROMPT, RESPONSE, CLIP = 4, 8, 8, 0.2
-
-
-def _packed(seqs: torch.Tensor):
-    """The rollouts packed as one batch: ids ``[1, T]``, position_ids ``[1, T]`` (each sequence a
-    document), targets ``[1, T]`` (the next token on response positions, -100 elsewhere)."""
-    n, L = seqs.shape
-    targets = torch.full_like(seqs, -100)
-    targets[:, PROMPT - 1: L - 1] = seqs[:, PROMPT:]
-    positions = torch.arange(L).expand(n, L)
-    return seqs.reshape(1, -1), positions.reshape(1, -1), targets.reshape(1, -1)
+from tests.support.rl import LR, RESPONSE, SEQS, grpo_loss, one_thread, rl_setup  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def rl_run():
     inductor_ext.enable()
     torch._dynamo.reset()
-    hf = tiny_hf_model()
-    serving = GLM53Model.from_hf(hf, precision=TRAIN)  # the rollout engine's copy of the weights
-    model = patch_transformers(hf, precision=TRAIN, freeze_indexer=True)
-    layers = model.model.language_model.layers
-    for i, layer in enumerate(layers):  # torchtitan's order: checkpoint, then compile each block
-        layers.register_module(str(i), torch.compile(checkpoint_wrapper(layer), backend="inductor", fullgraph=True))
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, serving.config.vocab_size, (SEQS, PROMPT), generator=gen)
-    seqs, rollout_logp = sample(serving, prompts, RESPONSE, generator=gen, precision=SERVE)
-    ids, positions, targets = _packed(seqs)
-    response = (targets != -100).reshape(SEQS, -1)
-
-    # reward: the share of even token ids in the response; advantages normalised over the group
-    reward = (seqs[:, PROMPT:] % 2 == 0).float().mean(1)
-    advantage = ((reward - reward.mean()) / (reward.std() + 1e-6))[:, None].expand(SEQS, RESPONSE)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=1e-4)
-    losses, diffs = [], None
-    for _ in range(4):
-        logp = model.token_logprobs(ids, targets, position_ids=positions).reshape(SEQS, -1)[response]
-        logp = logp.reshape(SEQS, RESPONSE)
-        if diffs is None:
-            diffs = (logp.detach() - rollout_logp).abs()
-        ratio = (logp - rollout_logp).exp()
-        loss = -torch.min(ratio * advantage, ratio.clamp(1 - CLIP, 1 + CLIP) * advantage).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    with one_thread():  # the compiled layers are then those of tests/parallel/test_rl_fsdp.py's ranks
+        model, rollouts = rl_setup()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(params, lr=LR)
+        losses, diffs = [], None
+        for _ in range(4):
+            logp = rollouts.token_logprobs(model)
+            if diffs is None:
+                diffs = (logp.detach() - rollouts.logp).abs()
+            loss = grpo_loss(logp, rollouts.logp, rollouts.advantage)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
     return diffs, losses, params
 
 

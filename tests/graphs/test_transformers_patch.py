@@ -21,7 +21,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -31,6 +30,7 @@ from graphs import DecoderLayer, GLM53Config, GLM53Model, patch_transformers
 from graphs.transformers_patch import is_patched
 from inductor_ext import PrecisionConfig
 from tests.support.hf import tiny_hf_model
+from tests.support.parallel import one_rank_group
 from tests.support.project import ROOT
 
 PREC = PrecisionConfig.reference().replace(kda="fp32")
@@ -187,26 +187,20 @@ def test_fsdp2_over_compiled_checkpointed_layers_one_gloo_rank():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        if dist.get_world_size() != 1:
-            pytest.skip("a process group of another size is active")
-        mesh = init_device_mesh("cpu", (1,))
-        layers = model.model.language_model.layers
-        for i, layer in enumerate(layers):
-            layers.register_module(str(i), torch.compile(checkpoint_wrapper(layer), backend="aot_eager",
-                                                         fullgraph=True))
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        for _ in range(2):
-            _assert_same_step(_train_step(model), want)
-    finally:
-        torch._dynamo.reset()
-        if owned:
-            dist.destroy_process_group()
+    with one_rank_group():
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            layers = model.model.language_model.layers
+            for i, layer in enumerate(layers):
+                layers.register_module(str(i), torch.compile(checkpoint_wrapper(layer), backend="aot_eager",
+                                                             fullgraph=True))
+            for layer in layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            for _ in range(2):
+                _assert_same_step(_train_step(model), want)
+        finally:
+            torch._dynamo.reset()
 
 
 def test_readme_trainer_snippet_runs():

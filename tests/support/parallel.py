@@ -15,6 +15,7 @@ spawn, once per session.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_ranks", "register", "session_seconds", "job_result", "rel_l2", "max_abs", "bitwise"]
+__all__ = ["free_port", "run_ranks", "register", "session_seconds", "job_result", "one_rank_group", "rel_l2",
+           "max_abs", "bitwise"]
 
 
 def free_port() -> int:
@@ -116,6 +118,24 @@ def job_result(world: int, key: str) -> list:
         if isinstance(res, JobError):
             raise AssertionError(res.text)
     return per_rank
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """Inside: a gloo process group of this process alone (an in-memory store), unless one is active
+    already; the test is skipped when the active group has more ranks."""
+    import pytest
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        if dist.get_world_size() != 1:
+            pytest.skip("a process group of another size is active")
+        yield
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
