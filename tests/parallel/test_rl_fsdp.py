@@ -60,7 +60,7 @@ times its loss) the ``split`` and step-1 gradient tests fail (every gradient at 
 times its bound), while the log-prob, loss and parameter tests pass: Adam is invariant to the
 gradients' scale (but for eps), which is why the gradients are compared themselves.
 
-Wall time: one job of the session's 2-rank spawn, 30 s of it (all of ``tests/parallel``: 98 s for
+Wall time: one job of the pytest session's 2-rank spawn, 30 s of it (all of ``tests/parallel``: 98 s for
 the spawn's 18 jobs) with Inductor's cache holding the layers ``tests/graphs/test_rl_step.py``
 compiles (the same graphs: the same packed shape, one thread there as here); this file alone
 35-60 s with its spawn, by the shared 2-core machine's load; 70 s after test_rl_step on an empty

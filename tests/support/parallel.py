@@ -10,7 +10,7 @@ fails the call with the child's traceback; a run past ``timeout`` seconds is kil
 Starting processes dominates the cost on a small CPU (each child imports torch and the package), so
 test modules :func:`register` their jobs at import time (pytest imports every module before the
 first test runs) and :func:`job_result` runs ALL registered jobs of one world size in a single
-spawn, once per session.
+spawn, once per pytest session.
 """
 
 from __future__ import annotations
