@@ -22,6 +22,7 @@ from graphs.config import GLM53Config
 from graphs.kda_replay import replay_prefill, replay_step
 from graphs.modules import linear
 from inductor_ext import PrecisionConfig, ops
+from inductor_ext.ops.kda_reference import kda_chunk_path
 from inductor_ext.ops.packing import document_positions
 from inductor_ext.parallel.context import CPContext
 from inductor_ext.parallel.halo import halo_exchange, with_halo
@@ -203,7 +204,7 @@ class LinearAttention(nn.Module):
             o, state = ops.kda_recurrent(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         else:
             o, state = ops.kda_chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                     precision=ops.kda_chunk_path(prec))
+                                     precision=kda_chunk_path(prec))
         return o[0], state
 
     def output(self, x: torch.Tensor, o: torch.Tensor, prec: PrecisionConfig) -> torch.Tensor:

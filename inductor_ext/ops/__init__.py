@@ -27,7 +27,6 @@ from inductor_ext.ops.batch_invariant import (
 from inductor_ext.ops.fp8_qdq import fp8_qdq
 from inductor_ext.ops.fp32_linear import fp32_linear
 from inductor_ext.ops.kda import kda_chunk, kda_recurrent
-from inductor_ext.ops.kda_reference import kda_chunk_path
 from inductor_ext.ops.kpool import (
     kpool_compress,
     kpool_layout,
@@ -51,7 +50,6 @@ if hasattr(fake_impls, "register_all"):
 
 __all__ = [
     "kda_chunk",
-    "kda_chunk_path",
     "kda_recurrent",
     "fp32_linear",
     "layer_norm_fp32",

@@ -107,7 +107,7 @@ def test_router_ids_feed_the_experts(name):
     cfg = CONFIGS[name]
     moe = _randomize(MoE(cfg), seed=3)
     x = torch.randn(T, cfg.hidden_size).to(torch.bfloat16)
-    idx, w = moe.gate(x)
+    idx, w = moe.gate(x, PrecisionConfig.reference())
     assert idx.shape == w.shape == (T, cfg.num_experts_per_tok) and idx.dtype == torch.int64
     assert w.dtype == torch.float32
     _check_against_fp64(moe.experts, x, idx, w)
@@ -195,7 +195,7 @@ def test_router_matches_transformers():
     theirs = Glm5NextTextTopkRouter(Glm5NextTextConfig(**cfg.to_hf_dict()))
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(T, cfg.hidden_size).to(torch.bfloat16)
-    idx, w = ours(x)
+    idx, w = ours(x, PrecisionConfig.reference())
     _, w_ref, idx_ref = theirs(x)
     o, o_ref = idx.sort(-1), idx_ref.sort(-1)
     torch.testing.assert_close(o.values, o_ref.values, rtol=0, atol=0)

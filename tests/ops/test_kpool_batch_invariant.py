@@ -113,9 +113,10 @@ def test_batch_invariant_scores_in_budget_chunks():
     layout = [t[-M:] for t in ops.kpool_layout(torch.tensor([0, P * S]), P * S, P)[1:]]
 
     def select(budget_mb):
-        return kpool_pipeline.indexer_score_select(q, w, pool, scale, *layout, kpool="bf16", layout="compact",
-                                          budget_mb=budget_mb, topk=64, pool_size=P, tail="compact",
-                                          batch_invariant=True)
+        opts = kpool_pipeline.IndexerOptions.resolve(topk=64, pool_size=P, tail="compact", kpool="bf16",
+                                                     mqa_layout="compact", logits_budget_mb=budget_mb,
+                                                     batch_invariant=True)
+        return kpool_pipeline.indexer_score_select(q, w, pool, scale, *layout, opts)
 
     chunked, whole = select(1), select(64)
     assert torch.equal(chunked, whole) and (whole >= 0).sum() > 0

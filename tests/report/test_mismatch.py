@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from graphs import GLM53Config
+from graphs import GLM53Config, dsa_layer
 from graphs.serving import SERVING_PRECISION, ServingForward
 from inductor_ext import PrecisionConfig, ops
 from inductor_ext.__main__ import main
@@ -88,7 +88,13 @@ def test_serving_forward_takes_serving_paths(monkeypatch):
 
     monkeypatch.setattr(ops, "kda_chunk", no_chunk)
     spy("recurrent", ops.kda_recurrent)
-    spy("indexer", ops.kpool_indexer, lambda k: (k["kpool"], k["kpool_pooling"], k["head_proj"]))
+    run_indexer = dsa_layer.run_indexer
+
+    def indexer(x, q_resid, weights, opts, keys):
+        seen["indexer"].add((opts.kpool, opts.kpool_pooling, opts.head_proj))
+        return run_indexer(x, q_resid, weights, opts, keys)
+
+    monkeypatch.setattr(dsa_layer, "run_indexer", indexer)
     spy("mhc_post", ops.mhc_post, lambda k: k["precision"])
     spy("swiglu", ops.swiglu, lambda k: k["mode"])
     spy("fp8", ops.fp8_qdq, lambda k: k["scale_fmt"])
