@@ -24,7 +24,8 @@ import numbers
 
 import torch
 
-__all__ = ["InputError", "input_error", "eager", "tensors", "real", "integer", "check_cu_seqlens",
+__all__ = ["InputError", "input_error", "eager", "tensors", "floats_on_one_device", "real", "integer",
+           "check_cu_seqlens",
            "check_cu_seqlens_values"]
 
 
@@ -68,6 +69,22 @@ def tensors(op: str, *, optional: tuple[str, ...] = (), **named) -> None:
             continue
         if not isinstance(value, torch.Tensor):
             raise input_error(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def floats_on_one_device(op: str, named: dict) -> None:
+    """``ValueError`` unless every tensor of ``named`` is bfloat16, float16 or float32 and all share
+    one cpu or cuda device (checked in that order)."""
+    for name, t in named.items():
+        if t.dtype not in FLOATS:
+            raise input_error(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+    devices = {t.device for t in named.values()}
+    if len(devices) != 1:
+        raise input_error(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if next(iter(devices)).type not in ("cpu", "cuda"):
+        raise input_error(f"{op}: tensors must be on cpu or cuda, got {next(iter(devices))}")
 
 
 def real(op: str, name: str, value, *, gt: float | None = None, ge: float | None = None,

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops._checks import input_error, real, tensors
+from inductor_ext.ops._checks import floats_on_one_device, input_error, real, tensors
 
 __all__ = ["layer_norm_fp32", "layer_norm_fp32_reference", "validate_layer_norm_fp32_inputs"]
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def validate_layer_norm_fp32_inputs(x, weight, bias, eps) -> float:
@@ -31,14 +30,7 @@ def validate_layer_norm_fp32_inputs(x, weight, bias, eps) -> float:
         if tuple(t.shape) != (x.shape[-1],):
             raise input_error(f"layer_norm_fp32: {name} must be [D={x.shape[-1]}], got {tuple(t.shape)}")
         named[name] = t
-    for name, t in named.items():
-        if t.dtype not in _FLOATS:
-            raise input_error(f"layer_norm_fp32: {name} must be bfloat16, float16 or float32, got {t.dtype}")
-    devices = {t.device for t in named.values()}
-    if len(devices) != 1:
-        raise input_error(f"layer_norm_fp32: all tensors must be on one device, got {sorted(map(str, devices))}")
-    if x.device.type not in ("cpu", "cuda"):
-        raise input_error(f"layer_norm_fp32: tensors must be on cpu or cuda, got {x.device}")
+    floats_on_one_device("layer_norm_fp32", named)
     return eps
 
 

@@ -13,26 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from inductor_ext.config import MHC_POST_PRECISIONS as PRECISIONS
-from inductor_ext.ops._checks import input_error, integer, real, tensors
+from inductor_ext.ops._checks import floats_on_one_device, input_error, integer, real, tensors
 from inductor_ext.ops.ordered import ordered_softmax, ordered_sum, positionwise
 
 __all__ = ["PRECISIONS", "mhc_pre_reference", "mhc_post_reference", "mhc_post_fp32", "mhc_pre_backward_reference",
            "mhc_post_backward_reference", "validate_mhc_pre_inputs", "validate_mhc_post_inputs",
            "coefficients_from_projection", "coefficient_vjp", "streams_from_width"]
-
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _check_common(op, tensors):
-    for name, t in tensors.items():
-        if t.dtype not in _FLOATS:
-            raise input_error(f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        raise input_error(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    if next(iter(devices)).type not in ("cpu", "cuda"):
-        raise input_error(f"{op}: tensors must be on cpu or cuda, got {next(iter(devices))}")
-
 
 def validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, op="mhc_pre") -> None:
     """Static checks (types, shapes, dtypes, devices, constants); raise ``ValueError`` naming the rule,
@@ -50,7 +36,7 @@ def validate_mhc_pre_inputs(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters
         raise input_error(f"{op}: base must be [(2+N)*N] = [{(2 + N) * N}], got {tuple(base.shape)}")
     if tuple(scale.shape) != (3,):
         raise input_error(f"{op}: scale must be [3] (pre, post, comb), got {tuple(scale.shape)}")
-    _check_common(op, {"x": x, "fn": fn, "base": base, "scale": scale})
+    floats_on_one_device(op, {"x": x, "fn": fn, "base": base, "scale": scale})
 
 
 def validate_mhc_post_inputs(f, residual, post, comb, precision, op="mhc_post") -> None:
@@ -67,7 +53,7 @@ def validate_mhc_post_inputs(f, residual, post, comb, precision, op="mhc_post") 
             raise input_error(f"{op}: {name} must be {shape} to match residual [..., N, D], got {tuple(t.shape)}")
     if f.dtype != residual.dtype:
         raise input_error(f"{op}: f and residual must share a dtype, got {f.dtype} and {residual.dtype}")
-    _check_common(op, {"f": f, "residual": residual, "post": post, "comb": comb})
+    floats_on_one_device(op, {"f": f, "residual": residual, "post": post, "comb": comb})
 
 
 # ---------------------------------------------------------------------------------------------
