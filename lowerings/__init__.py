@@ -1,5 +1,6 @@
 """Inductor lowering / decomposition rules for the ``glm53`` ops that should fuse with their
-neighbours. Every private ``torch._inductor`` import lives in :mod:`lowerings._compat`.
+neighbours, and for the ATen ops whose Inductor code would not compute ATen's bits
+(:mod:`lowerings.sigmoid`). Every private ``torch._inductor`` import lives in :mod:`lowerings._compat`.
 
 Mechanism: each op family's module maps the op's ``OpOverload`` to a decomposition into ATen
 ops; :func:`register_all` (called by ``inductor_ext.enable()``) adds them to *Inductor's*
@@ -22,10 +23,10 @@ __all__ = ["register_all", "decompositions"]
 def decompositions() -> dict:
     """Every decomposition of this package: ``{OpOverload: fn}`` (defines the ops on import)."""
     import inductor_ext.ops  # noqa: F401  (defines the glm53 ops)
-    from lowerings import fp8_qdq, fp32_linear, layer_norm_fp32, mhc, swiglu
+    from lowerings import fp8_qdq, fp32_linear, mhc, sigmoid, swiglu
 
     table = {}
-    for module in (fp8_qdq, swiglu, fp32_linear, layer_norm_fp32, mhc):
+    for module in (fp8_qdq, swiglu, fp32_linear, mhc, sigmoid):
         table.update(module.DECOMPOSITIONS)
     return table
 
@@ -34,13 +35,15 @@ def register_all() -> None:
     """Register every decomposition in Inductor's table and the lowering of their rounding point
     ``glm53::round_to``, keep reductions of one FP8 QDQ group (128 elements) persistent
     (:func:`lowerings._compat.install_persistent_reductions`) and make Inductor keep the eager
-    graph's rounding points (:data:`lowerings._compat.EAGER_NUMERICS`), and let one symbolic-shape
+    graph's rounding points (:data:`lowerings._compat.EAGER_NUMERICS`) and GEMMs
+    (:func:`lowerings._compat.install_eager_gemms`), and let one symbolic-shape
     graph serve every document count (:func:`lowerings._compat.install_size_oblivious_shapes`);
     idempotent."""
     import torch
 
     from inductor_ext.ops.fp8_qdq_reference import GROUP
     from lowerings._compat import (
+        install_eager_gemms,
         install_eager_numerics,
         install_persistent_reductions,
         install_size_oblivious_shapes,
@@ -53,4 +56,5 @@ def register_all() -> None:
         register_inductor_decomposition(op, fn)
     install_persistent_reductions(GROUP)
     install_eager_numerics()
+    install_eager_gemms()
     install_size_oblivious_shapes()

@@ -34,6 +34,7 @@ __all__ = [
     "EAGER_NUMERICS",
     "drop_inductor_decomposition",
     "fallback_to_aten",
+    "install_eager_gemms",
     "install_eager_numerics",
     "install_size_oblivious_shapes",
     "install_persistent_reductions",
@@ -129,6 +130,41 @@ def install_eager_numerics() -> tuple[str, ...]:
         _log.warning("glm53: this torch's Inductor lacks %s; compiled kernels may round where eager does not",
                      ", ".join(missing))
     return tuple(missing)
+
+
+GEMM_REWRITES = ("addmm", "unfuse_bias_add_to_pointwise")
+"""Inductor's post-grad rewrites that move an addition across a GEMM's rounding (handlers in
+``torch._inductor.fx_passes.post_grad``): ``addmm`` folds ``mm(a, b) + c`` into ``addmm(c, a, b)``
+(CPU always; CUDA where a user of the sum is not pointwise), so a BF16 GEMM's output is no longer
+rounded before the add; ``unfuse_bias_add_to_pointwise`` splits an ``addmm`` whose users are all
+pointwise into ``mm`` + add on CUDA, adding a rounding (for BF16 only while
+``keep_addmm_fused_for_half_dtypes`` is off). Measured on the tiny model without batch invariance:
+the fold alone made the MoE block (routed experts + shared expert's ``down_proj``) differ from
+eager in 28 % of its outputs."""
+
+
+def _is_gemm_rewrite(handler, module: str) -> bool:
+    return getattr(handler, "__module__", None) == module and handler.__name__ in GEMM_REWRITES
+
+
+@functools.cache
+def install_eager_gemms() -> int:
+    """Remove :data:`GEMM_REWRITES` from Inductor's post-grad patterns, once per process, so each
+    GEMM of the eager graph stays the GEMM Inductor calls (the salted plugin sources, this file
+    among them, key the cache). Returns how many pattern entries were removed (0, logged, where
+    this torch names them otherwise)."""
+    from torch._inductor.fx_passes import post_grad
+
+    removed = 0
+    for patterns in post_grad.pass_patterns:
+        for key, entries in list(patterns.patterns.items()):
+            kept = [e for e in entries if not _is_gemm_rewrite(getattr(e, "handler", None), post_grad.__name__)]
+            removed += len(entries) - len(kept)
+            patterns.patterns[key] = kept
+    if not removed:
+        _log.warning("glm53: found none of Inductor's GEMM rewrites %s; a compiled GEMM may round where "
+                     "eager does not", ", ".join(GEMM_REWRITES))
+    return removed
 
 
 @functools.cache

@@ -1,39 +1,32 @@
-"""Inductor decompositions of ``glm53::mhc_pre`` and ``glm53::mhc_post`` (mHC mixing).
+"""Inductor decomposition of ``glm53::mhc_post`` (mHC stream mixing).
 
-Both ops are small-N (4 streams) mixing around one GEMM: as ATen ops, mhc_pre becomes the stream
-RMSNorm fused into the producer, one ``mm`` for the coefficient projection, then one kernel for
-sigmoid/softmax/Sinkhorn and the weighted stream collapse; mhc_post becomes a single pointwise
-kernel ``post[o]·f + Σ_s comb[s,o]·res[s]`` fused with the sublayer's output and whatever reads
-the new streams. Rounding points (:mod:`lowerings._rounding`):
+As ATen ops, mhc_post becomes a single pointwise kernel ``post[o]·f + Σ_s comb[s,o]·res[s]``
+fused with the sublayer's output and whatever reads the new streams. Rounding points
+(:mod:`lowerings._rounding`):
 
-- ``mhc_pre``: the reference (:func:`~inductor_ext.ops.mhc_reference.mhc_pre_reference`) on exact FP32
-  inputs; ``mixed`` rounded once to x's dtype, post and comb stay FP32.
-- ``mhc_post`` ``"fp32"``: the reference's own elementwise chain
-  (:func:`~inductor_ext.ops.mhc_reference.mhc_post_fp32`) on the exact inputs, one rounding: bitwise eager.
-- ``mhc_post`` ``"bf16"``: transformers' roundings — post and comb to the residual's dtype, the
-  product ``post·f``, the stream matmul (FP32 accumulation, one rounding) and the sum.
+- ``"fp32"``: the reference's own elementwise chain (:func:`~inductor_ext.ops.mhc_reference.mhc_post_fp32`)
+  on the exact inputs, one rounding: bitwise eager.
+- ``"bf16"``: transformers' roundings — post and comb to the residual's dtype, the product
+  ``post·f``, the stream matmul (FP32 accumulation, one rounding) and the sum. The 4-term stream
+  sum is written as a product and a reduction over s instead of ``matmul``, so Inductor fuses it
+  rather than calling ``bmm`` (its products are exact in FP32 and it rounds once to BF16:
+  bitwise the reference, measured).
 
-In ``"bf16"`` the 4-term stream sum is written as a product and a reduction over s instead of
-``matmul``, so Inductor fuses it rather than calling ``bmm`` (its products are exact in FP32 and it
-rounds once to BF16: bitwise the reference, measured). Backward formulas are
-plain torch (``register_autograd``) and fuse likewise.
+``glm53::mhc_pre`` has no decomposition: its stream RMS is a row reduction over N·D, which
+Inductor sums in its own order (ATen's eager kernel, another), so decomposed it could not give
+eager's bits (measured with torch 2.13: mixed within 1 BF16 ULP, post and comb within 8 FP32 ULPs).
+Opaque, Inductor calls its kernel. Backward formulas are plain torch (``register_autograd``) and
+fuse like any ATen code.
 """
 
 from __future__ import annotations
 
 import torch
 
-from inductor_ext.ops.mhc_reference import mhc_post_fp32, mhc_pre_reference
+from inductor_ext.ops.mhc_reference import mhc_post_fp32
 from lowerings._rounding import exact, round_to, store
 
-__all__ = ["mhc_pre_decomposition", "mhc_post_decomposition", "DECOMPOSITIONS"]
-
-
-def mhc_pre_decomposition(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    """(mixed in x's dtype, post FP32, comb FP32) as ATen ops."""
-    mixed, post, comb = mhc_pre_reference(exact(x), exact(fn), exact(base), exact(scale),
-                                          norm_eps, hc_eps, sinkhorn_iters)
-    return store(mixed, x.dtype), post, comb
+__all__ = ["mhc_post_decomposition", "DECOMPOSITIONS"]
 
 
 def _stream_mix(comb, residual):
@@ -55,6 +48,5 @@ def mhc_post_decomposition(f, residual, post, comb, precision):
 
 
 DECOMPOSITIONS = {
-    torch.ops.glm53.mhc_pre.default: mhc_pre_decomposition,
     torch.ops.glm53.mhc_post.default: mhc_post_decomposition,
 }

@@ -1,8 +1,9 @@
 """Attributes the train/serve mismatch that Inductor adds to the eager training model (without
 batch invariance) to families of Inductor's own kernels, by sending one family at a time to ATen's
 kernels (``lowerings._compat.fallback_to_aten``; a fresh process per variant, since that is
-process-wide) and re-running ``python -m inductor_ext mismatch --compile inductor`` on the same
-rollout.
+process-wide), or by leaving Inductor's GEMM rewrites installed
+(``lowerings._compat.install_eager_gemms`` skipped), and re-running
+``python -m inductor_ext mismatch --compile inductor`` on the same rollout.
 
     python docs/experiments/inductor_attribution.py --out attribution_out [--arms reference serving_aligned]
 
@@ -22,16 +23,14 @@ import sys
 VARIANTS = {
     "eager": None,
     "inductor": [],
+    "Inductor's GEMM rewrites kept (mm + add -> addmm)": "gemm rewrites",
     "norms (mean, layer_norm)": ["aten.mean.dim", "aten.native_layer_norm.default"],
     "sums": ["aten.sum.dim_IntList"],
     "softmax": ["aten._softmax.default", "aten._log_softmax.default"],
     "router (topk, sort)": ["aten.topk.default", "aten.sort.stable", "aten.sort.default"],
     "transcendentals": ["aten.exp.default", "aten.sigmoid.default", "aten.rsqrt.default", "aten.silu.default",
                         "aten.log.default", "aten.log1p.default", "aten.softplus.default"],
-    "lowered reductions (mhc_pre, layer_norm_fp32 opaque)": ["glm53.mhc_pre.default",
-                                                            "glm53.layer_norm_fp32.default"],
     "grouped GEMM (MoE experts)": ["aten._grouped_mm.default"],
-    "convolution (KDA short conv)": ["aten.convolution.default"],
 }
 
 
@@ -48,29 +47,19 @@ def run_variant(name: str, arms: list[str]) -> dict:
 
     import inductor_ext
     from inductor_ext.report import MismatchSettings, default_arms, run_mismatch
-    from lowerings._compat import (
-        drop_inductor_decomposition,
-        fallback_to_aten,
-        inductor_config,
-        inductor_decomposition,
-    )
+    from lowerings._compat import fallback_to_aten, inductor_config
 
+    families = VARIANTS[name]
+    if families == "gemm rewrites":  # Inductor's post-grad GEMM rewrites stay installed
+        import lowerings._compat
+
+        lowerings._compat.install_eager_gemms = lambda: 0
+        families = []
     inductor_ext.enable()
     # a fallback is not part of Inductor's cache key: compile afresh, never reuse an artifact
     inductor_config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    families = VARIANTS[name]
-    glm53 = [_overload(n) for n in families or () if n.startswith("glm53.")]
-    aten = [_overload(n) for n in families or () if not n.startswith("glm53.")]
-    if glm53:  # an op of the plugin: its decomposition never registered, its reference kernel runs
-        import lowerings
-
-        for module in vars(lowerings).values():
-            for op in glm53:
-                getattr(module, "DECOMPOSITIONS", {}).pop(op, None)
-        for op in glm53:
-            drop_inductor_decomposition(op)
-        assert all(inductor_decomposition(op) is None for op in glm53)
+    aten = [_overload(n) for n in families or ()]
     if aten:
         fallback_to_aten(aten)
     settings = MismatchSettings(num_seqs=8, compile="none" if families is None else "inductor")  # the CLI defaults
