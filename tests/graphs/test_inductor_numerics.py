@@ -136,3 +136,22 @@ def test_without_the_plugin_settings_a_layer_differs(kind, name):
     DSA layer alone happens to be bitwise either way on these inputs; the reference one is not.)"""
     eager, compiled = _layer_logits(kind, name, emulate=False)
     assert not torch.equal(eager, compiled), f"{kind} {name}: bitwise even without the plugin's settings"
+
+
+def test_moe_block_without_batch_invariance_bitwise_eager():
+    """Without batch invariance an MoE block (router, routed experts, the shared expert and their
+    sum) has no row reduction of Inductor's own order, and compiles to eager's bits: the shared
+    expert's ``down_proj`` GEMM stays rounded before the add (Inductor's own ``mm + add → addmm``
+    rewrite, which ``enable()`` removes, made 28 % of these outputs differ)."""
+    from graphs.modules import MoE
+
+    inductor_ext.enable()
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    prec = PrecisionConfig.serving_aligned()
+    moe = cast_model(MoE(GLM53Config.tiny()), torch.bfloat16)
+    x = torch.randn(sum(LENGTHS), GLM53Config.tiny().hidden_size).to(torch.bfloat16)
+    with torch.no_grad():
+        eager = moe(x, prec)
+        compiled = torch.compile(moe, backend="inductor", fullgraph=True)(x, prec)
+    assert_bitwise("MoE serving_aligned without batch invariance", compiled, eager)
