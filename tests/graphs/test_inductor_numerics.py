@@ -35,13 +35,13 @@ SIX_LAYERS = dict(
 PRESETS = {"tiny": GLM53Config.tiny(), "six_layers": GLM53Config.tiny(**SIX_LAYERS)}
 LENGTHS = (30, 34)  # two packed documents; 34 crosses no KDA chunk, 64 in all
 # gradients: Inductor's backward reductions keep their own order (§10). Bound: over all parameters
-# the Inductor-minus-eager gradient is smaller than eager's own BF16 rounding error against the same
-# model in FP32 (measured 0.35 of it, reference config, tiny); per parameter within 3 times it
-# (measured at most 1.95, a 3-number decay). serving_aligned has no FP32 twin (its FP8 indexer
-# takes BF16 only): relative L2 over all parameters <= 1e-2 (measured 3.4e-3, six layers), each
-# parameter <= 0.1 (measured at most 5.9e-2, a 24-number mHC bias).
-GLOBAL_NOISE_RATIO, PARAM_NOISE_RATIO = 1.0, 3.0
-GLOBAL_REL, PARAM_REL = 1e-2, 0.1
+# the Inductor-minus-eager gradient is a small part of eager's own BF16 rounding error against the
+# same model in FP32 (measured 0.003 of it, reference config, tiny and six layers); per parameter
+# within half of it (measured at most 0.06, the embedding's scatter-add). serving_aligned has no FP32
+# twin (its FP8 indexer takes BF16 only): relative L2 over all parameters <= 1e-3 (measured 7.9e-5,
+# six layers), each parameter <= 2e-2 (measured at most 1.8e-3, the embedding).
+GLOBAL_NOISE_RATIO, PARAM_NOISE_RATIO = 0.05, 0.5
+GLOBAL_REL, PARAM_REL = 1e-3, 2e-2
 
 
 def _inputs(vocab: int):
