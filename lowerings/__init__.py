@@ -17,7 +17,7 @@ instead.
 
 from __future__ import annotations
 
-__all__ = ["register_all", "decompositions"]
+__all__ = ["register_all", "decompositions", "own_numerics"]
 
 
 def decompositions() -> dict:
@@ -58,3 +58,14 @@ def register_all() -> None:
     install_eager_numerics()
     install_eager_gemms()
     install_size_oblivious_shapes()
+
+
+def own_numerics():
+    """Context manager: inside it Inductor compiles with its own numerics (its defaults for
+    :data:`lowerings._compat.EAGER_NUMERICS`, its GEMM rewrites, its sigmoid and silu), caches off;
+    the ``glm53`` ops keep their decompositions. For measuring what the plugin's numerics change
+    and cost (tests, ``docs/experiments/eager_numerics_price.py``); call :func:`register_all` first."""
+    from lowerings import sigmoid
+    from lowerings._compat import inductor_own_numerics
+
+    return inductor_own_numerics(sigmoid.INDUCTORS_OWN)

@@ -16,6 +16,7 @@ through ``V.choices``; 2.13 builds each thread's instance from ``config.inductor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -39,6 +40,7 @@ __all__ = [
     "install_size_oblivious_shapes",
     "install_persistent_reductions",
     "lowering_batch_invariant_graph",
+    "inductor_own_numerics",
     "plain_inductor_numerics",
     "register_inductor_decomposition",
     "register_rounding_lowering",
@@ -143,28 +145,62 @@ the fold alone made the MoE block (routed experts + shared expert's ``down_proj`
 eager in 28 % of its outputs."""
 
 
-def _is_gemm_rewrite(handler, module: str) -> bool:
-    return getattr(handler, "__module__", None) == module and handler.__name__ in GEMM_REWRITES
+@functools.cache
+def _gemm_rewrite_lists() -> tuple[tuple[dict, object, list, list], ...]:
+    """Every post-grad pattern list holding one of :data:`GEMM_REWRITES`, as
+    ``(patterns, key, Inductor's list, the list without them)``."""
+    from torch._inductor.fx_passes import post_grad
+
+    def rewrite(entry) -> bool:
+        handler = getattr(entry, "handler", None)
+        return getattr(handler, "__module__", None) == post_grad.__name__ and handler.__name__ in GEMM_REWRITES
+
+    return tuple((patterns.patterns, key, entries, [e for e in entries if not rewrite(e)])
+                 for patterns in post_grad.pass_patterns for key, entries in list(patterns.patterns.items())
+                 if any(rewrite(e) for e in entries))
+
+
+def _use_gemm_rewrites(inductors: bool) -> None:
+    for patterns, key, original, without in _gemm_rewrite_lists():
+        patterns[key] = original if inductors else without
 
 
 @functools.cache
 def install_eager_gemms() -> int:
     """Remove :data:`GEMM_REWRITES` from Inductor's post-grad patterns, once per process, so each
     GEMM of the eager graph stays the GEMM Inductor calls (the salted plugin sources, this file
-    among them, key the cache). Returns how many pattern entries were removed (0, logged, where
-    this torch names them otherwise)."""
-    from torch._inductor.fx_passes import post_grad
-
-    removed = 0
-    for patterns in post_grad.pass_patterns:
-        for key, entries in list(patterns.patterns.items()):
-            kept = [e for e in entries if not _is_gemm_rewrite(getattr(e, "handler", None), post_grad.__name__)]
-            removed += len(entries) - len(kept)
-            patterns.patterns[key] = kept
-    if not removed:
+    among them, key the cache). Returns how many pattern lists held one (0, logged, where this
+    torch names them otherwise)."""
+    _use_gemm_rewrites(False)
+    if not _gemm_rewrite_lists():
         _log.warning("glm53: found none of Inductor's GEMM rewrites %s; a compiled GEMM may round where "
                      "eager does not", ", ".join(GEMM_REWRITES))
-    return removed
+    return len(_gemm_rewrite_lists())
+
+
+@contextlib.contextmanager
+def inductor_own_numerics(decompositions: dict):
+    """Inside the block, Inductor compiles with its own numerics, to measure what the plugin's
+    change or cost: its defaults for :data:`EAGER_NUMERICS`, its GEMM rewrites back in place, and
+    ``decompositions`` (``{op: Inductor's own decomposition, or None for none}``) in its table; the
+    FX-graph and AOT caches off (the rewrites and the table are not part of a cache key). On exit
+    the plugin's state is back."""
+    from torch._functorch import config as functorch_config
+
+    def put(table: dict) -> None:
+        for op, fn in table.items():
+            drop_inductor_decomposition(op) if fn is None else register_inductor_decomposition(op, fn)
+
+    plugins = {op: _inductor_decomposition.decompositions.get(op) for op in decompositions}
+    _use_gemm_rewrites(True)
+    put(decompositions)
+    try:
+        with inductor_config.patch({**plain_inductor_numerics(), "fx_graph_cache": False}), \
+                functorch_config.patch(enable_autograd_cache=False):
+            yield
+    finally:
+        _use_gemm_rewrites(not install_eager_gemms.cache_info().currsize)
+        put(plugins)
 
 
 @functools.cache

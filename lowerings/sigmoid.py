@@ -23,7 +23,7 @@ import torch
 
 from lowerings._compat import inductor_decomposition
 
-__all__ = ["sigmoid_decomposition", "silu_decomposition", "DECOMPOSITIONS"]
+__all__ = ["sigmoid_decomposition", "silu_decomposition", "DECOMPOSITIONS", "INDUCTORS_OWN"]
 
 _aten = torch.ops.aten
 _INDUCTOR_SILU = inductor_decomposition(_aten.silu.default)  # Inductor's own, read before ours replaces it
@@ -50,3 +50,5 @@ def silu_decomposition(x: torch.Tensor) -> torch.Tensor:
 
 
 DECOMPOSITIONS = {_aten.sigmoid.default: sigmoid_decomposition, _aten.silu.default: silu_decomposition}
+INDUCTORS_OWN = {_aten.sigmoid.default: None, _aten.silu.default: _INDUCTOR_SILU}
+"""What Inductor's table holds for these ops without the plugin (None: no entry)."""

@@ -1,4 +1,5 @@
-"""What the plugin's eager-rounding settings (``lowerings._compat.EAGER_NUMERICS``) cost on a GPU: the
+"""What the plugin's eager numerics (``lowerings.own_numerics`` switches them off: the settings of
+``lowerings._compat.EAGER_NUMERICS``, the GEMM rewrites, the CUDA sigmoid / silu) cost on a GPU: the
 h200 KDA and DSA layers (``bench layer``, timing only: forward and forward + backward, CUDA-graph
 replay p50) compiled under Inductor's own numerics and under the plugin's, one after the other in one
 process, for the serving-aligned config and its batch-invariant form (``bench invariance``'s pair);
@@ -11,6 +12,7 @@ and, for code without a ``glm53`` op, a plain BF16 RMSNorm + SwiGLU MLP block ([
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -20,7 +22,7 @@ import torch
 import inductor_ext
 from inductor_ext.bench import layer as layer_bench
 from inductor_ext.bench import timing
-from lowerings._compat import inductor_config, plain_inductor_numerics
+import lowerings
 
 
 def plain_block(tokens: int, samples: int) -> dict:
@@ -40,9 +42,9 @@ def plain_block(tokens: int, samples: int) -> dict:
         return (torch.nn.functional.silu(h @ w[0].t()) * (h @ w[1].t())) @ w[2].t()
 
     out = {}
-    for numerics, patch in (("inductor", plain_inductor_numerics()), ("plugin", {})):
+    for numerics, numerics_block in (("inductor", lowerings.own_numerics), ("plugin", contextlib.nullcontext)):
         torch._dynamo.reset()
-        with inductor_config.patch(patch):
+        with numerics_block():
             compiled = torch.compile(block, backend="inductor", fullgraph=True)
 
             def step(compiled=compiled):
@@ -65,8 +67,8 @@ def main() -> None:
     print("plain BF16 block:", json.dumps(block), file=sys.stderr, flush=True)
     runs, ratios = {}, []
     for precision in args.precisions:
-        for numerics, patch in (("inductor", plain_inductor_numerics()), ("plugin", {})):
-            with inductor_config.patch(patch):
+        for numerics, numerics_block in (("inductor", lowerings.own_numerics), ("plugin", contextlib.nullcontext)):
+            with numerics_block():
                 result = layer_bench.bench_layer(args.tokens, kinds=layer_bench.KINDS, samples=args.samples,
                                                  precision=precision, timing_only=True)
             runs[f"{precision}/{numerics}"] = result

@@ -2,12 +2,14 @@
 configs compute the eager graph's bits (``docs/DESIGN.md`` §10): the logits of the tiny model and
 of a 6-layer model (KDA and DSA layers, a shared indexer, MoE), and each layer kind alone, are
 bitwise eager's for ``reference()`` and ``serving_aligned()`` with ``batch_invariant=True``; the
-gradients stay within the bound §10 states. Without the plugin's eager-rounding settings the same
-comparison fails (shown on each layer kind), so the tests can fail.
+gradients stay within the bound §10 states; without batch invariance an MoE block is bitwise too.
+Under Inductor's own numerics (``lowerings.own_numerics``) the same comparisons fail (shown on each
+layer kind and the MoE block), so the tests can fail.
 
 Each compiled model is built once per module (Inductor compiles take tens of seconds on 2 cores).
 """
 
+import contextlib
 import copy
 import math
 
@@ -15,11 +17,11 @@ import pytest
 import torch
 
 import inductor_ext
+import lowerings
 from graphs import GLM53Config, GLM53Model
 from graphs.model import DecoderLayer
 from graphs.modules import cast_model
 from inductor_ext import PrecisionConfig
-from lowerings._compat import inductor_config, plain_inductor_numerics
 from tests.support.batch_invariant import assert_bitwise
 
 CONFIGS = {
@@ -106,7 +108,7 @@ def test_gradients_within_the_stated_bound(model_run):
 
 def _layer_logits(kind: str, name: str, emulate: bool):
     """(eager, compiled) outputs of one decoder layer of ``kind`` under config ``name``; with
-    ``emulate=False`` the plugin's rounding settings are switched off for that compile."""
+    ``emulate=False`` the plugin's numerics are switched off for that compile (``lowerings.own_numerics``)."""
     inductor_ext.enable()
     torch._dynamo.reset()
     cfg = GLM53Config.tiny()
@@ -115,8 +117,7 @@ def _layer_logits(kind: str, name: str, emulate: bool):
     layer = cast_model(layer, torch.bfloat16)
     streams = torch.randn(sum(LENGTHS), cfg.hc_mult, cfg.hidden_size).to(torch.bfloat16)
     cu = _inputs(cfg.vocab_size)[1]
-    settings = {} if emulate else plain_inductor_numerics()
-    with torch.no_grad(), inductor_config.patch(settings):
+    with torch.no_grad(), (contextlib.nullcontext() if emulate else lowerings.own_numerics()):
         eager = layer(streams, cu)[0]
         compiled = torch.compile(layer, backend="inductor", fullgraph=True)(streams, cu)[0]
     return eager, compiled
@@ -138,11 +139,9 @@ def test_without_the_plugin_settings_a_layer_differs(kind, name):
     assert not torch.equal(eager, compiled), f"{kind} {name}: bitwise even without the plugin's settings"
 
 
-def test_moe_block_without_batch_invariance_bitwise_eager():
-    """Without batch invariance an MoE block (router, routed experts, the shared expert and their
-    sum) has no row reduction of Inductor's own order, and compiles to eager's bits: the shared
-    expert's ``down_proj`` GEMM stays rounded before the add (Inductor's own ``mm + add → addmm``
-    rewrite, which ``enable()`` removes, made 28 % of these outputs differ)."""
+def _moe_outputs(own_numerics: bool):
+    """(eager, compiled) outputs of the tiny config's MoE block, ``serving_aligned`` without batch
+    invariance; ``own_numerics``: compiled under ``lowerings.own_numerics``."""
     from graphs.modules import MoE
 
     inductor_ext.enable()
@@ -151,7 +150,20 @@ def test_moe_block_without_batch_invariance_bitwise_eager():
     prec = PrecisionConfig.serving_aligned()
     moe = cast_model(MoE(GLM53Config.tiny()), torch.bfloat16)
     x = torch.randn(sum(LENGTHS), GLM53Config.tiny().hidden_size).to(torch.bfloat16)
-    with torch.no_grad():
-        eager = moe(x, prec)
-        compiled = torch.compile(moe, backend="inductor", fullgraph=True)(x, prec)
+    with torch.no_grad(), (lowerings.own_numerics() if own_numerics else contextlib.nullcontext()):
+        return moe(x, prec), torch.compile(moe, backend="inductor", fullgraph=True)(x, prec)
+
+
+def test_moe_block_without_batch_invariance_bitwise_eager():
+    """Without batch invariance an MoE block (router, routed experts, the shared expert and their
+    sum) has no row reduction of Inductor's own order, and compiles to eager's bits: the shared
+    expert's ``down_proj`` GEMM stays rounded before the add."""
+    eager, compiled = _moe_outputs(own_numerics=False)
     assert_bitwise("MoE serving_aligned without batch invariance", compiled, eager)
+
+
+def test_with_inductors_own_numerics_the_moe_block_differs():
+    """The planted failure: Inductor's own ``mm + add → addmm`` rewrite folds the residual add into
+    the shared expert's ``down_proj`` GEMM (28 % of these outputs differ, torch 2.13)."""
+    eager, compiled = _moe_outputs(own_numerics=True)
+    assert not torch.equal(eager, compiled), "MoE bitwise even with Inductor's own numerics"

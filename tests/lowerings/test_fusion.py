@@ -15,6 +15,7 @@ from lowerings._compat import inductor_config, inductor_decomposition, run_and_g
 
 BF16 = torch.bfloat16
 LOWERED = ("fp8_qdq", "swiglu", "fp32_linear", "mhc_post")
+ATEN = ("sigmoid", "silu")  # on CUDA: ATen's formulas (lowerings/sigmoid.py)
 OPAQUE = ("layer_norm_fp32", "mhc_pre")  # a row reduction: Inductor would sum it in its own order
 
 
@@ -64,11 +65,12 @@ def mlp_case():
 
 
 def test_register_all_is_idempotent_and_inductor_only():
-    """register_all() puts one decomposition per lowered op into Inductor's table (twice = once)."""
+    """register_all() puts one decomposition per lowered op and per ATen op it rewrites into
+    Inductor's table (twice = once)."""
     lowerings.register_all()
     first = {op: inductor_decomposition(op) for op in lowerings.decompositions()}
     lowerings.register_all()
-    assert {op.name() for op in first} == {f"glm53::{n}" for n in LOWERED}
+    assert {op.name() for op in first} == {f"glm53::{n}" for n in LOWERED} | {f"aten::{n}" for n in ATEN}
     assert all(inductor_decomposition(op) is fn and fn is not None for op, fn in first.items())
 
 

@@ -185,6 +185,25 @@ def test_residual_add_after_a_gemm_keeps_the_gemm_rounding():
         assert max_ulps(got, ref, name) == 0, name
 
 
+def test_own_numerics_differ_and_the_plugins_come_back():
+    """The planted failure of the test above: under ``lowerings.own_numerics`` (Inductor's GEMM
+    rewrites, its defaults, its sigmoid) the residual add folds into ``addmm`` and the result
+    differs; on leaving it the plugin's numerics are back, bitwise again."""
+    import lowerings
+    from lowerings import sigmoid
+    from lowerings._compat import inductor_decomposition
+
+    a, w, r = torch.randn(48, 128, dtype=BF16), torch.randn(64, 128, dtype=BF16), torch.randn(48, 64, dtype=BF16)
+    fn = lambda a, w, r: torch.nn.functional.linear(a, w) + r  # noqa: E731
+    inductor_ext.enable()
+    with lowerings.own_numerics():
+        assert inductor_decomposition(torch.ops.aten.sigmoid.default) is None
+        assert max_ulps(compiled(fn, a, w, r), fn(a, w, r), "own numerics") > 0
+    assert inductor_decomposition(torch.ops.aten.sigmoid.default) is sigmoid.sigmoid_decomposition
+    assert inductor_config.emulate_precision_casts
+    assert max_ulps(compiled(fn, a, w, r), fn(a, w, r), "plugin numerics again") == 0
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
 def test_sigmoid_and_silu_compute_atens_bits(device, dtype):
