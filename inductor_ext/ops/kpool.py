@@ -23,7 +23,7 @@ from inductor_ext.config import KPOOL_PRECISIONS as PRECISIONS
 from inductor_ext.config import active_config
 from inductor_ext.ops import kpool_reference as ref
 from inductor_ext.ops._checks import check_cu_seqlens, eager, input_error, integer, real, tensors
-from inductor_ext.ops.batch_invariant import bi_linear
+from inductor_ext.ops.batch_invariant import bi_layer_norm, bi_linear
 from inductor_ext.ops.ordered import ordered_sum
 
 __all__ = [
@@ -231,11 +231,13 @@ def kpool_project_batch_invariant(x, wk, k_norm_weight, k_norm_bias, weights_pro
                                   eps=INDEXER_EPS, head_proj=None):
     """:func:`kpool_project` (same arguments, results and rounding points) with its three linears
     batch-invariant ``glm53::bi_linear`` products (FP32 accumulation in fixed K blocks, one
-    rounding), so each row is bitwise independent of the other rows of the call; the LayerNorm is
-    per row. ``PrecisionConfig.batch_invariant``'s indexer (``docs/DESIGN.md`` §9)."""
+    rounding) and its LayerNorm ``glm53::bi_layer_norm`` (fixed-order FP32 statistics, one
+    rounding), so each row is bitwise independent of the other rows of the call, and Inductor calls
+    the same kernels as eager (its own LayerNorm reduction would not be ATen's).
+    ``PrecisionConfig.batch_invariant``'s indexer (``docs/DESIGN.md`` §9)."""
     head_proj = _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj, eps)
     return ref.project_reference(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, float(eps), head_proj,
-                                 linear=bi_linear)
+                                 linear=bi_linear, layer_norm=bi_layer_norm)
 
 
 def _check_project(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, head_proj, eps) -> str:
