@@ -146,23 +146,29 @@ eager in 28 % of its outputs."""
 
 
 @functools.cache
-def _gemm_rewrite_lists() -> tuple[tuple[dict, object, list, list], ...]:
-    """Every post-grad pattern list holding one of :data:`GEMM_REWRITES`, as
-    ``(patterns, key, Inductor's list, the list without them)``."""
+def _gemm_rewrite_lists() -> tuple[tuple[list, tuple], ...]:
+    """Every post-grad pattern list holding one of :data:`GEMM_REWRITES`, with those entries and
+    their places in it: ``(entries, ((index, entry), ...))``. The lists are edited in place, so
+    patterns Inductor registers later (its lazy first-compile set-up) stay."""
     from torch._inductor.fx_passes import post_grad
 
     def rewrite(entry) -> bool:
         handler = getattr(entry, "handler", None)
         return getattr(handler, "__module__", None) == post_grad.__name__ and handler.__name__ in GEMM_REWRITES
 
-    return tuple((patterns.patterns, key, entries, [e for e in entries if not rewrite(e)])
-                 for patterns in post_grad.pass_patterns for key, entries in list(patterns.patterns.items())
-                 if any(rewrite(e) for e in entries))
+    found = ((entries, tuple((i, e) for i, e in enumerate(entries) if rewrite(e)))
+             for patterns in post_grad.pass_patterns for entries in patterns.patterns.values())
+    return tuple((entries, rewrites) for entries, rewrites in found if rewrites)
 
 
 def _use_gemm_rewrites(inductors: bool) -> None:
-    for patterns, key, original, without in _gemm_rewrite_lists():
-        patterns[key] = original if inductors else without
+    for entries, rewrites in _gemm_rewrite_lists():
+        present = [any(x is e for x in entries) for _, e in rewrites]
+        for (i, e), there in zip(rewrites, present):
+            if inductors and not there:
+                entries.insert(i, e)
+            elif not inductors and there:
+                entries[:] = [x for x in entries if x is not e]
 
 
 @functools.cache
