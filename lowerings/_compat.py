@@ -163,12 +163,9 @@ def _gemm_rewrite_lists() -> tuple[tuple[list, tuple], ...]:
 
 def _use_gemm_rewrites(inductors: bool) -> None:
     for entries, rewrites in _gemm_rewrite_lists():
-        present = [any(x is e for x in entries) for _, e in rewrites]
-        for (i, e), there in zip(rewrites, present):
-            if inductors and not there:
-                entries.insert(i, e)
-            elif not inductors and there:
-                entries[:] = [x for x in entries if x is not e]
+        entries[:] = [x for x in entries if all(x is not e for _, e in rewrites)]
+        for i, e in rewrites if inductors else ():  # ascending: each back at its own place
+            entries.insert(i, e)
 
 
 @functools.cache
@@ -195,7 +192,10 @@ def inductor_own_numerics(decompositions: dict):
 
     def put(table: dict) -> None:
         for op, fn in table.items():
-            drop_inductor_decomposition(op) if fn is None else register_inductor_decomposition(op, fn)
+            if fn is None:
+                drop_inductor_decomposition(op)
+            else:
+                register_inductor_decomposition(op, fn)
 
     plugins = {op: _inductor_decomposition.decompositions.get(op) for op in decompositions}
     _use_gemm_rewrites(True)
