@@ -230,8 +230,8 @@ def install_size_oblivious_shapes() -> bool:
 
 def plain_inductor_numerics() -> dict:
     """Inductor's own defaults (its environment variables applied) for the keys of
-    :data:`EAGER_NUMERICS` that this torch has (``inductor_config.patch`` them to measure what the
-    plugin's settings cost), read from the config module's entries."""
+    :data:`EAGER_NUMERICS` that this torch has, read from the config module's entries
+    (:func:`inductor_own_numerics` patches them in)."""
     entries = inductor_config._config
     return {key: entries[key].default for key in EAGER_NUMERICS if key in entries}
 

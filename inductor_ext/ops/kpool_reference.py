@@ -123,31 +123,28 @@ def layout_reference(cu_seqlens: torch.Tensor, num_tokens: int, pool_size: int):
     return pool_token, q_lo, q_n, tail_start, tail_len
 
 
+def _layer_norm_in_weight_dtype(k, weight, bias, eps: float):
+    """``F.layer_norm`` of k in the dtype of weight and bias, rounded once to k's dtype."""
+    return F.layer_norm(k.to(weight.dtype), (k.shape[-1],), weight, bias, eps).to(k.dtype)
+
+
 def project_reference(x, wk, k_norm_weight, k_norm_bias, weights_proj, compress_gate, eps: float, head_proj: str,
-                      linear=F.linear, layer_norm=None):
+                      linear=F.linear, layer_norm=_layer_norm_in_weight_dtype):
     """k = LayerNorm(x·wkᵀ) [T,D], gate = x·compress_gateᵀ [T,D] (x's dtype) and head weights
     w = (x·weights_projᵀ)·H^-0.5 [T,H] FP32. ``head_proj="model"``: linears and LayerNorm in x's
     dtype (transformers); ``"fp32"``: LayerNorm in FP32 then one cast, weights_proj as an IEEE
     FP32 linear. Autocast is off inside. ``linear``: the product ``linear(x, W)`` (``F.linear``; the
     batch-invariant indexer passes ``ops.bi_linear``). ``layer_norm``: ``layer_norm(k, weight, bias,
-    eps)`` computing in FP32 with one rounding to k's dtype (the batch-invariant indexer passes
-    ``ops.bi_layer_norm``); None: ``F.layer_norm``."""
+    eps)`` in the weight's dtype (at least FP32 for the batch-invariant indexer's ``ops.bi_layer_norm``),
+    rounded once to k's dtype."""
     H = weights_proj.shape[0]
     with _no_autocast(x.device):
         kp = linear(x, wk)
         if head_proj == "fp32":
-            if layer_norm is None:
-                k = F.layer_norm(kp.float(), (kp.shape[-1],), k_norm_weight.float(), k_norm_bias.float(), eps)
-                k = k.to(x.dtype)
-            else:
-                k = layer_norm(kp, k_norm_weight.float(), k_norm_bias.float(), eps)
+            k = layer_norm(kp, k_norm_weight.float(), k_norm_bias.float(), eps)
             w = linear(x.float(), weights_proj.float()) * H**-0.5
         else:
-            weight, bias = k_norm_weight.to(kp.dtype), k_norm_bias.to(kp.dtype)
-            if layer_norm is None:
-                k = F.layer_norm(kp, (kp.shape[-1],), weight, bias, eps)
-            else:
-                k = layer_norm(kp, weight, bias, eps)
+            k = layer_norm(kp, k_norm_weight.to(kp.dtype), k_norm_bias.to(kp.dtype), eps)
             w = linear(x, weights_proj).float() * H**-0.5
         gate = linear(x, compress_gate)
     return k, gate, w

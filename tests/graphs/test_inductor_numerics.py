@@ -106,6 +106,11 @@ def test_gradients_within_the_stated_bound(model_run):
         assert rel <= GLOBAL_REL and worst_rel <= PARAM_REL, worst
 
 
+def _numerics(own: bool):
+    """``lowerings.own_numerics()`` (Inductor's own) when ``own``, else the plugin's (no change)."""
+    return lowerings.own_numerics() if own else contextlib.nullcontext()
+
+
 def _layer_logits(kind: str, name: str, emulate: bool):
     """(eager, compiled) outputs of one decoder layer of ``kind`` under config ``name``; with
     ``emulate=False`` the plugin's numerics are switched off for that compile (``lowerings.own_numerics``)."""
@@ -117,7 +122,7 @@ def _layer_logits(kind: str, name: str, emulate: bool):
     layer = cast_model(layer, torch.bfloat16)
     streams = torch.randn(sum(LENGTHS), cfg.hc_mult, cfg.hidden_size).to(torch.bfloat16)
     cu = _inputs(cfg.vocab_size)[1]
-    with torch.no_grad(), (contextlib.nullcontext() if emulate else lowerings.own_numerics()):
+    with torch.no_grad(), _numerics(own=not emulate):
         eager = layer(streams, cu)[0]
         compiled = torch.compile(layer, backend="inductor", fullgraph=True)(streams, cu)[0]
     return eager, compiled
@@ -166,7 +171,7 @@ def _moe_outputs(own_numerics: bool):
     prec = PrecisionConfig.serving_aligned()
     moe = cast_model(MoE(GLM53Config.tiny()), torch.bfloat16)
     x = torch.randn(sum(LENGTHS), GLM53Config.tiny().hidden_size).to(torch.bfloat16)
-    with torch.no_grad(), (lowerings.own_numerics() if own_numerics else contextlib.nullcontext()):
+    with torch.no_grad(), _numerics(own=own_numerics):
         return moe(x, prec), torch.compile(moe, backend="inductor", fullgraph=True)(x, prec)
 
 

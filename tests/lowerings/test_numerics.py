@@ -173,15 +173,23 @@ def test_mhc_post_bitwise_in_both_precisions():
     assert max_ulps(got[1], ref[1], "mhc_post fp32") == 0
 
 
+def _residual_after_gemm(a, w, b, r):
+    """BF16 ``linear + r`` in both operand orders, and a linear with a bias (``addmm`` in eager)."""
+    return torch.nn.functional.linear(a, w) + r, r + a @ w.t(), torch.nn.functional.linear(a, w, b) * 2
+
+
+def _residual_inputs():
+    return (torch.randn(48, 128, dtype=BF16), torch.randn(64, 128, dtype=BF16), torch.randn(64, dtype=BF16),
+            torch.randn(48, 64, dtype=BF16))
+
+
 def test_residual_add_after_a_gemm_keeps_the_gemm_rounding():
     """``F.linear(a, w) + r`` in BF16: eager rounds the GEMM's output, then the sum. Inductor's own
     post-grad rewrite folds the add into ``addmm`` (one rounding); ``enable()`` removes that
     rewrite, and with a bias (``addmm`` in eager) Inductor keeps the one GEMM call."""
-    a, w, r = torch.randn(48, 128, dtype=BF16), torch.randn(64, 128, dtype=BF16), torch.randn(48, 64, dtype=BF16)
-    b = torch.randn(64, dtype=BF16)
-    fn = lambda a, w, b, r: (torch.nn.functional.linear(a, w) + r, r + a @ w.t(),  # noqa: E731
-                             torch.nn.functional.linear(a, w, b) * 2)
-    for got, ref, name in zip(compiled(fn, a, w, b, r), fn(a, w, b, r), ("linear + r", "r + a @ w.t()", "addmm")):
+    args = _residual_inputs()
+    for got, ref, name in zip(compiled(_residual_after_gemm, *args), _residual_after_gemm(*args),
+                              ("linear + r", "r + a @ w.t()", "addmm")):
         assert max_ulps(got, ref, name) == 0, name
 
 
@@ -193,15 +201,14 @@ def test_own_numerics_differ_and_the_plugins_come_back():
     from lowerings import sigmoid
     from lowerings._compat import inductor_decomposition
 
-    a, w, r = torch.randn(48, 128, dtype=BF16), torch.randn(64, 128, dtype=BF16), torch.randn(48, 64, dtype=BF16)
-    fn = lambda a, w, r: torch.nn.functional.linear(a, w) + r  # noqa: E731
+    args = _residual_inputs()
     inductor_ext.enable()
     with lowerings.own_numerics():
         assert inductor_decomposition(torch.ops.aten.sigmoid.default) is None
-        assert max_ulps(compiled(fn, a, w, r), fn(a, w, r), "own numerics") > 0
+        assert max_ulps(compiled(_residual_after_gemm, *args)[0], _residual_after_gemm(*args)[0], "own") > 0
     assert inductor_decomposition(torch.ops.aten.sigmoid.default) is sigmoid.sigmoid_decomposition
     assert inductor_config.emulate_precision_casts
-    assert max_ulps(compiled(fn, a, w, r), fn(a, w, r), "plugin numerics again") == 0
+    assert max_ulps(compiled(_residual_after_gemm, *args)[0], _residual_after_gemm(*args)[0], "plugin") == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
